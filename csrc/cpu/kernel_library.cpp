@@ -1,0 +1,19 @@
+// The one exported symbol of a per-ISA kernel library. Built once per instruction set with
+// TORCHCLIP_CPU_CAPABILITY set to that set's name (see setup.py / CMakeLists.txt); everything else
+// in the library has hidden visibility.
+#include "kernels.h"
+
+#ifndef TORCHCLIP_CPU_CAPABILITY
+#error "TORCHCLIP_CPU_CAPABILITY must name the instruction set this library is compiled for"
+#endif
+
+extern "C" __attribute__((visibility("default"))) const torchclip::cpu::KernelTable* torchclip_cpu_kernel_table() {
+  static const torchclip::cpu::KernelTable table = {
+      torchclip::cpu::kKernelAbiVersion,
+      TORCHCLIP_CPU_CAPABILITY,
+      &torchclip::cpu::tensor_norms,
+      &torchclip::cpu::scale,
+      &torchclip::cpu::clamp,
+  };
+  return &table;
+}

@@ -1,0 +1,43 @@
+#include "kernel_loader.h"
+
+#include <c10/util/Exception.h>
+#include <dlfcn.h>
+
+#include <atomic>
+
+namespace torchclip {
+namespace {
+// Libraries are never unloaded: a switch leaves the old one mapped, so a kernel still running on
+// another thread keeps valid code under it.
+std::atomic<const cpu::KernelTable*> active_table{nullptr};
+}  // namespace
+
+std::string load_cpu_kernels(const std::string& path) {
+  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  TORCH_CHECK(handle != nullptr, "torchclip: cannot load the CPU kernel library '", path, "': ", dlerror(),
+      ". Rebuild torchclip against the installed torch: pip install --no-build-isolation -e .");
+  using TableFn = const cpu::KernelTable* (*)();
+  auto table_fn = reinterpret_cast<TableFn>(dlsym(handle, "torchclip_cpu_kernel_table"));
+  TORCH_CHECK(table_fn != nullptr, "torchclip: '", path, "' is not a torchclip CPU kernel library (no "
+      "torchclip_cpu_kernel_table symbol)");
+  const cpu::KernelTable* table = table_fn();
+  TORCH_CHECK(table->abi_version == cpu::kKernelAbiVersion, "torchclip: the CPU kernel library '", path,
+      "' has kernel ABI version ", table->abi_version, " but this build expects ", cpu::kKernelAbiVersion,
+      ". Rebuild torchclip: pip install --no-build-isolation -e .");
+  active_table.store(table);
+  return table->capability;
+}
+
+std::string loaded_cpu_capability() {
+  const cpu::KernelTable* table = active_table.load();
+  return table == nullptr ? std::string() : std::string(table->capability);
+}
+
+const cpu::KernelTable& cpu_kernels() {
+  const cpu::KernelTable* table = active_table.load();
+  TORCH_CHECK(table != nullptr, "torchclip: no CPU kernel library is loaded. `import torchclip` loads the "
+      "one for this CPU; C++ users call torchclip::load_cpu_kernels(path) first.");
+  return *table;
+}
+
+}  // namespace torchclip

@@ -1,0 +1,55 @@
+// The C ABI between the dispatcher-facing library (ops.cpp) and the CPU kernel libraries.
+//
+// The same kernel sources are compiled once per instruction set (baseline x86-64, AVX2, AVX-512) into
+// separate shared libraries; exactly one is loaded at run time, chosen by the CPU and by
+// torch.backends.cpu.get_cpu_capability(). Keeping the boundary a plain C struct of function pointers
+// means no AVX-compiled inline function or static initialiser can leak into code that runs on a CPU
+// without AVX (the trap of mixing per-ISA objects in one library).
+#pragma once
+
+#include <cstdint>
+
+namespace torchclip::cpu {
+
+// Bumped whenever a struct below changes layout, so a stale kernel library is refused, not misread.
+constexpr int32_t kKernelAbiVersion = 1;
+
+enum class DType : int32_t { Float16 = 0, BFloat16 = 1, Float32 = 2, Float64 = 3 };
+
+// A dense, non-overlapping run of `numel` elements: either a contiguous tensor or any tensor whose
+// strides are a permutation of contiguous ones. Element order does not matter to any kernel here
+// (norms, scaling and clamping are order-free), so every such tensor is walked as one flat array.
+struct TensorSpan {
+  void* data;
+  int64_t numel;
+  DType dtype;
+};
+
+enum class NormKind : int32_t { One = 0, Two = 1, Inf = 2, NegInf = 3, Zero = 4, General = 5 };
+
+struct NormOrder {
+  NormKind kind;
+  double p;  // the order itself; only read for NormKind::General
+};
+
+struct KernelTable {
+  int32_t abi_version;
+  const char* capability;  // "DEFAULT", "AVX2" or "AVX512": the names torch uses for its own kernels
+
+  // norms[i] = the `order`-norm of spans[i], accumulated in float64 (scaled where float64 itself
+  // would overflow or underflow), so it is exact to float64 rounding for every input dtype.
+  void (*tensor_norms)(const TensorSpan* spans, int64_t count, NormOrder order, double* norms);
+
+  // spans[i] *= scales[i] in place, multiplied in float32 for 16/32-bit dtypes (as torch does, with a
+  // float32 opmath) and in float64 for float64. A span whose scale rounds to exactly 1 is not written.
+  void (*scale)(const TensorSpan* spans, int64_t count, const double* scales);
+
+  // spans[i] = min(max(spans[i], lo), hi) in place, one read-write pass. NaN elements stay NaN; a NaN
+  // bound makes every element NaN, as torch's clamp_min_/clamp_max_ do.
+  void (*clamp)(const TensorSpan* spans, int64_t count, double lo, double hi);
+};
+
+}  // namespace torchclip::cpu
+
+// Each kernel library exports exactly this symbol.
+extern "C" const torchclip::cpu::KernelTable* torchclip_cpu_kernel_table();

@@ -1,0 +1,13 @@
+// Declarations of the per-ISA kernels; each kernel library defines them and exports them only
+// through its KernelTable (kernel_library.cpp).
+#pragma once
+
+#include "kernel_table.h"
+
+namespace torchclip::cpu {
+
+void tensor_norms(const TensorSpan* spans, int64_t count, NormOrder order, double* norms);
+void scale(const TensorSpan* spans, int64_t count, const double* scales);
+void clamp(const TensorSpan* spans, int64_t count, double lo, double hi);
+
+}  // namespace torchclip::cpu

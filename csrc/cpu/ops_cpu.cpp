@@ -1,0 +1,237 @@
+// CPU implementations of the torchclip ops: argument checks, the split between tensors the per-ISA
+// kernels walk and tensors that take ATen's own path, and the cross-tensor arithmetic (total norms,
+// clip coefficients). Every check runs before any tensor is written, so an error leaves every
+// gradient as it was.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <charconv>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#include "kernel_loader.h"
+#include "norm_total.h"
+
+namespace torchclip {
+namespace {
+
+using cpu::DType;
+using cpu::NormKind;
+using cpu::NormOrder;
+using cpu::TensorSpan;
+
+std::optional<DType> kernel_dtype(at::ScalarType type) {
+  switch (type) {
+    case at::kHalf:
+      return DType::Float16;
+    case at::kBFloat16:
+      return DType::BFloat16;
+    case at::kFloat:
+      return DType::Float32;
+    case at::kDouble:
+      return DType::Float64;
+    default:
+      return std::nullopt;
+  }
+}
+
+// How a tensor list is served: `spans` go to the kernels (dense float16/bfloat16/float32/float64),
+// the rest (complex, integer, strided views with gaps or overlaps) to ATen, which is correct for all.
+struct Split {
+  std::vector<TensorSpan> spans;
+  std::vector<int64_t> span_source;  // spans[k] is tensors[span_source[k]]
+  std::vector<int64_t> aten_path;    // indices of the tensors ATen serves
+  at::ScalarType promoted = at::kFloat;
+};
+
+Split split_tensors(at::TensorList tensors, const char* op) {
+  Split split;
+  split.spans.reserve(tensors.size());
+  split.span_source.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK(t.defined(), op, ": tensors[", i, "] is an undefined tensor");
+    TORCH_CHECK(t.device().is_cpu(), op, ": tensors[", i, "] is on ", t.device(),
+        "; the CPU kernel takes CPU tensors only");
+    TORCH_CHECK(t.layout() == at::kStrided, op, ": tensors[", i, "] has layout ", t.layout(),
+        "; only strided tensors are supported here");
+    split.promoted = i == 0 ? t.scalar_type() : at::promote_types(split.promoted, t.scalar_type());
+    const auto dtype = kernel_dtype(t.scalar_type());
+    if (dtype && t.is_non_overlapping_and_dense()) {
+      split.spans.push_back({t.data_ptr(), t.numel(), *dtype});
+      split.span_source.push_back(static_cast<int64_t>(i));
+    } else {
+      split.aten_path.push_back(static_cast<int64_t>(i));
+    }
+  }
+  return split;
+}
+
+// Python's repr of a float, so messages read as torch's ("2.0", "inf").
+std::string python_float(double value) {
+  if (std::isnan(value)) {
+    return "nan";
+  }
+  if (std::isinf(value)) {
+    return value > 0 ? "inf" : "-inf";
+  }
+  char buffer[64];
+  auto end = std::to_chars(buffer, buffer + sizeof(buffer), value).ptr;
+  std::string text(buffer, end);
+  if (text.find_first_of(".en") == std::string::npos) {
+    text += ".0";
+  }
+  return text;
+}
+
+// Per-tensor norms in float64: kernels for the spans, ATen (in float64) for the rest.
+std::vector<double> tensor_norms_wide(at::TensorList tensors, const Split& split, double ord, const char* op) {
+  const NormOrder order = cpu::norm_order(ord);
+  const bool needs_identity = order.kind == NormKind::Inf || order.kind == NormKind::NegInf ||
+      (order.kind == NormKind::General && ord < 0);
+  if (needs_identity) {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      TORCH_CHECK(tensors[i].numel() > 0, op, ": cannot compute the ", python_float(ord),
+          " norm on an empty tensor because the operation does not have an identity (tensors[", i, "])");
+    }
+  }
+  std::vector<double> norms(tensors.size());
+  if (!split.spans.empty()) {
+    std::vector<double> span_norms(split.spans.size());
+    cpu_kernels().tensor_norms(split.spans.data(), static_cast<int64_t>(split.spans.size()), order,
+        span_norms.data());
+    for (size_t k = 0; k < split.spans.size(); ++k) {
+      norms[split.span_source[k]] = span_norms[k];
+    }
+  }
+  for (int64_t i : split.aten_path) {
+    const at::Tensor& t = tensors[i];
+    const auto wide = t.is_complex() ? at::kComplexDouble : at::kDouble;
+    norms[i] = at::linalg_vector_norm(t, ord, std::nullopt, false, wide).item<double>();
+  }
+  return norms;
+}
+
+// The dtype torch.nn.utils.get_total_norm returns: the promotion of the inputs, real for complex.
+at::ScalarType total_norm_dtype(const Split& split) {
+  return at::isComplexType(split.promoted) ? c10::toRealValueType(split.promoted) : split.promoted;
+}
+
+at::Tensor scalar_in_dtype(double value, at::ScalarType dtype) {
+  // Cast through a float64 tensor: a Scalar fill would refuse a value that overflows a 16-bit dtype,
+  // where torch's own result is inf.
+  return at::scalar_tensor(value, at::kDouble).to(dtype);
+}
+
+// tensors[i] *= scales[i]; scales of exactly 1 are skipped by the kernels (and here, for ATen's path).
+void apply_scales(at::TensorList tensors, const Split& split, const std::vector<double>& scales) {
+  if (!split.spans.empty()) {
+    std::vector<double> span_scales(split.spans.size());
+    for (size_t k = 0; k < split.spans.size(); ++k) {
+      span_scales[k] = scales[split.span_source[k]];
+    }
+    cpu_kernels().scale(split.spans.data(), static_cast<int64_t>(split.spans.size()), span_scales.data());
+  }
+  for (int64_t i : split.aten_path) {
+    if (scales[i] != 1.0) {
+      // A const reference to a list element: mul_ writes the shared storage in place.
+      tensors[i].mul_(scales[i]);
+    }
+  }
+}
+
+// torch's error for error_if_nonfinite, raised from the float64 total: finite gradients whose norm
+// only overflows a 16-bit result dtype are not an error (they can still be clipped exactly).
+void check_finite_total(double total, double norm_type, bool error_if_nonfinite) {
+  TORCH_CHECK(!error_if_nonfinite || std::isfinite(total), "The total norm of order ", python_float(norm_type),
+      " for gradients from `parameters` is non-finite, so it cannot be clipped. To disable this error and "
+      "scale the gradients by the non-finite norm anyway, set `error_if_nonfinite=False`");
+}
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_cpu(at::TensorList tensors, double ord, bool error_if_nonfinite) {
+  constexpr const char* op = "torchclip.multi_tensor_norm";
+  const Split split = split_tensors(tensors, op);
+  const std::vector<double> norms = tensor_norms_wide(tensors, split, ord, op);
+  const double total = cpu::total_norm(norms.data(), static_cast<int64_t>(norms.size()), cpu::norm_order(ord));
+  check_finite_total(total, ord, error_if_nonfinite);
+  at::Tensor per_tensor = at::empty({static_cast<int64_t>(norms.size())}, at::kDouble);
+  std::copy(norms.begin(), norms.end(), per_tensor.data_ptr<double>());
+  return {scalar_in_dtype(total, total_norm_dtype(split)), per_tensor};
+}
+
+void multi_tensor_scale_cpu(at::TensorList tensors, const at::Tensor& scale) {
+  constexpr const char* op = "torchclip.multi_tensor_scale_";
+  const int64_t count = static_cast<int64_t>(tensors.size());
+  TORCH_CHECK(scale.dim() == 0 || (scale.dim() == 1 && scale.size(0) == count), op,
+      ": scale must be a 0-d tensor or a 1-d tensor with one entry per tensor (", count, "), got shape ",
+      scale.sizes());
+  TORCH_CHECK(scale.device().is_cpu(), op, ": scale is on ", scale.device(), "; expected CPU");
+  TORCH_CHECK(!scale.is_complex(), op, ": scale has dtype ", scale.scalar_type(), "; expected a real dtype");
+  const Split split = split_tensors(tensors, op);
+  const at::Tensor wide = scale.to(at::kDouble).contiguous();
+  const double* values = wide.data_ptr<double>();
+  std::vector<double> scales(count, scale.dim() == 0 ? values[0] : 0.0);
+  if (scale.dim() == 1) {
+    std::copy(values, values + count, scales.begin());
+  }
+  apply_scales(tensors, split, scales);
+}
+
+void multi_tensor_clamp_cpu(at::TensorList tensors, double min, double max) {
+  constexpr const char* op = "torchclip.multi_tensor_clamp_";
+  const Split split = split_tensors(tensors, op);
+  for (int64_t i : split.aten_path) {
+    TORCH_CHECK(!tensors[i].is_complex(), op, ": tensors[", i, "] has dtype ", tensors[i].scalar_type(),
+        "; clamping is not defined for complex numbers");
+    TORCH_CHECK(tensors[i].scalar_type() != at::kBool, op, ": tensors[", i, "] has dtype bool; clamping "
+        "needs a numeric dtype");
+  }
+  if (!split.spans.empty()) {
+    cpu_kernels().clamp(split.spans.data(), static_cast<int64_t>(split.spans.size()), min, max);
+  }
+  for (int64_t i : split.aten_path) {
+    tensors[i].clamp_min_(min).clamp_max_(max);
+  }
+}
+
+at::Tensor clip_grad_norm_cpu(at::TensorList grads, double max_norm, double norm_type, bool error_if_nonfinite) {
+  constexpr const char* op = "torchclip.clip_grad_norm_";
+  const Split split = split_tensors(grads, op);
+  const std::vector<double> norms = tensor_norms_wide(grads, split, norm_type, op);
+  const double total = cpu::total_norm(norms.data(), static_cast<int64_t>(norms.size()), cpu::norm_order(norm_type));
+  check_finite_total(total, norm_type, error_if_nonfinite);
+  // torch's coefficient, max_norm / (total_norm + 1e-6) clamped to at most 1, but from the float64 norm.
+  // std::min keeps a NaN coefficient NaN, as torch.clamp does.
+  const double coefficient = std::min(max_norm * (1.0 / (total + 1e-6)), 1.0);
+  apply_scales(grads, split, std::vector<double>(grads.size(), coefficient));
+  return scalar_in_dtype(total, grads.empty() ? at::kFloat : total_norm_dtype(split));
+}
+
+at::Tensor clip_by_tensor_norm_cpu(at::TensorList tensors, double max_norm) {
+  constexpr const char* op = "torchclip.clip_by_tensor_norm_";
+  const Split split = split_tensors(tensors, op);
+  const std::vector<double> norms = tensor_norms_wide(tensors, split, 2.0, op);
+  std::vector<double> scales(norms.size());
+  for (size_t i = 0; i < norms.size(); ++i) {
+    // Unchanged when norm <= max_norm; otherwise max_norm / norm (NaN for a NaN norm: propagated).
+    scales[i] = norms[i] <= max_norm ? 1.0 : max_norm / norms[i];
+  }
+  apply_scales(tensors, split, scales);
+  at::Tensor per_tensor = at::empty({static_cast<int64_t>(norms.size())}, at::kDouble);
+  std::copy(norms.begin(), norms.end(), per_tensor.data_ptr<double>());
+  return per_tensor;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchclip, CPU, m) {
+  m.impl("multi_tensor_norm", &multi_tensor_norm_cpu);
+  m.impl("multi_tensor_scale_", &multi_tensor_scale_cpu);
+  m.impl("multi_tensor_clamp_", &multi_tensor_clamp_cpu);
+  m.impl("clip_grad_norm_", &clip_grad_norm_cpu);
+  m.impl("clip_by_tensor_norm_", &clip_by_tensor_norm_cpu);
+}
+
+}  // namespace torchclip

@@ -1,0 +1,67 @@
+// In-place scaling of many tensors, each by its own coefficient (compiled once per instruction set).
+//
+// Rounding follows torch's CPU mul_ by a 0-d tensor: 16/32-bit data is multiplied in float32 by the
+// coefficient rounded to float32, then rounded once (to nearest even) into the storage type; float64
+// data is multiplied in float64. A coefficient that rounds to exactly 1 leaves every element as it is
+// (x * 1 == x for every x, NaN included), so that tensor is not read or written at all: clipping
+// that is not needed costs no write pass.
+#include <type_traits>
+
+#include "kernels.h"
+#include "multi_tensor.h"
+#include "simd.h"
+
+namespace torchclip::cpu {
+namespace {
+
+using namespace simd;
+
+template <typename T>
+void scale_span(T* x, int64_t n, double coefficient) {
+  if constexpr (std::is_same_v<T, double>) {
+    const f64v c = splat<f64v>(coefficient);
+    for_each_block<kBlock64>(x, n, 0.0, /*writes=*/true, [&](double* p, int64_t count) {
+      for (int64_t i = 0; i < count; i += kBlock64) {
+        store_f64(p + i, load_f64(p + i) * c);
+      }
+    });
+  } else {
+    const f32v c = splat<f32v>(static_cast<float>(coefficient));
+    for_each_block<kBlock>(x, n, T(0), /*writes=*/true, [&](T* p, int64_t count) {
+      for (int64_t i = 0; i < count; i += kBlock) {
+        store_f32(p + i, load_f32(p + i) * c);
+      }
+    });
+  }
+}
+
+bool is_identity(DType dtype, double coefficient) {
+  return dtype == DType::Float64 ? coefficient == 1.0 : static_cast<float>(coefficient) == 1.0f;
+}
+
+}  // namespace
+
+void scale(const TensorSpan* spans, int64_t count, const double* scales) {
+  std::vector<TensorSpan> to_write;
+  std::vector<double> coefficients;
+  for (int64_t i = 0; i < count; ++i) {
+    if (!is_identity(spans[i].dtype, scales[i])) {
+      to_write.push_back(spans[i]);
+      coefficients.push_back(scales[i]);
+    }
+  }
+  if (to_write.empty()) {
+    return;
+  }
+  const ChunkPlan plan = plan_chunks(to_write.data(), static_cast<int64_t>(to_write.size()));
+  parallel_for_chunks(plan, [&](int64_t c) {
+    const Chunk& chunk = plan.chunks[c];
+    const TensorSpan& span = to_write[chunk.tensor];
+    dispatch_dtype(span.dtype, [&](auto* typed) {
+      using T = std::remove_pointer_t<decltype(typed)>;
+      scale_span(static_cast<T*>(span.data) + chunk.begin, chunk.end - chunk.begin, coefficients[chunk.tensor]);
+    });
+  });
+}
+
+}  // namespace torchclip::cpu

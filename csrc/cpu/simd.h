@@ -1,0 +1,190 @@
+// Portable 64-byte vectors for the CPU kernels.
+//
+// GCC/Clang vector extensions let one source serve every instruction set: this header is compiled
+// into each per-ISA kernel library with that library's flags, and the vector types take that ISA's
+// native register width. Half-precision conversions use
+// the F16C/AVX-512 instructions where the library is built for them and c10's exact scalar conversions
+// otherwise, so every path rounds the same way (round to nearest even), which the tests check.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace torchclip::cpu::simd {
+
+// One native register per vector: 64 bytes with AVX-512, 32 with AVX2, 16 with SSE2. Every
+// operation below is then a single instruction (or a short fixed sequence) at every width; wider
+// vectors than the ISA has would make GCC lower compares and selects lane by lane.
+#if defined(__AVX512F__)
+constexpr int kVectorBytes = 64;
+#elif defined(__AVX2__)
+constexpr int kVectorBytes = 32;
+#else
+constexpr int kVectorBytes = 16;
+#endif
+
+typedef float f32v __attribute__((vector_size(kVectorBytes)));
+typedef float f32half __attribute__((vector_size(kVectorBytes / 2)));
+typedef double f64v __attribute__((vector_size(kVectorBytes)));
+typedef int32_t i32v __attribute__((vector_size(kVectorBytes)));
+typedef int64_t i64v __attribute__((vector_size(kVectorBytes)));
+typedef uint32_t u32v __attribute__((vector_size(kVectorBytes)));
+typedef uint64_t u64v __attribute__((vector_size(kVectorBytes)));
+typedef uint16_t u16v __attribute__((vector_size(kVectorBytes / 2)));
+
+// Elements per float32 vector (16, 8 or 4); every 16/32-bit kernel walks its data in blocks of this.
+constexpr int64_t kBlock = kVectorBytes / 4;
+// Elements per float64 vector.
+constexpr int64_t kBlock64 = kVectorBytes / 8;
+
+template <typename V>
+inline V splat(std::remove_reference_t<decltype(V{}[0])> x) {
+  return V{} + x;
+}
+
+inline f32v abs(f32v v) {
+  return (f32v)((u32v)v & 0x7FFFFFFFu);
+}
+inline f64v abs(f64v v) {
+  return (f64v)((u64v)v & 0x7FFFFFFFFFFFFFFFull);
+}
+
+// Lanes are 0 or all-ones; a NaN lane compares unequal to itself.
+inline i32v is_nan(f32v v) {
+  return v != v;
+}
+inline i64v is_nan(f64v v) {
+  return v != v;
+}
+
+// max/min that ignore NaN (callers track NaN separately and let it win at the end).
+template <typename V>
+inline V max_ignoring_nan(V a, V b) {
+  return a > b ? a : b;
+}
+template <typename V>
+inline V min_ignoring_nan(V a, V b) {
+  return a < b ? a : b;
+}
+
+// Widening halves of a float32 vector to float64. Explicit instructions where there are some: GCC 12
+// lowers __builtin_convertvector at 512 bits to four 128-bit converts and two inserts.
+inline f64v low_half_to_f64(f32v v) {
+#if defined(__AVX512F__)
+  return (f64v)_mm512_cvtps_pd(_mm512_castps512_ps256((__m512)v));
+#elif defined(__AVX2__)
+  return (f64v)_mm256_cvtps_pd(_mm256_castps256_ps128((__m256)v));
+#else
+  f32half half;
+  std::memcpy(&half, &v, sizeof(half));
+  return __builtin_convertvector(half, f64v);
+#endif
+}
+inline f64v high_half_to_f64(f32v v) {
+#if defined(__AVX512F__)
+  return (f64v)_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd((__m512)v), 1)));
+#elif defined(__AVX2__)
+  return (f64v)_mm256_cvtps_pd(_mm256_extractf128_ps((__m256)v, 1));
+#else
+  f32half half;
+  std::memcpy(&half, reinterpret_cast<const char*>(&v) + sizeof(half), sizeof(half));
+  return __builtin_convertvector(half, f64v);
+#endif
+}
+
+// ---- loads of kBlock elements, widened to float32 -------------------------------------------------
+
+inline f32v load_f32(const float* p) {
+  f32v v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline f32v load_f32(const c10::BFloat16* p) {
+  // bfloat16 is the top half of a float32: widening is a shift, exact for every value.
+  u16v raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  return (f32v)(__builtin_convertvector(raw, u32v) << 16);
+}
+
+inline f32v load_f32(const c10::Half* p) {
+#if defined(__AVX512F__)
+  return (f32v)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__AVX2__) && defined(__F16C__)
+  return (f32v)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  f32v v;
+  for (int i = 0; i < kBlock; ++i) {
+    v[i] = static_cast<float>(p[i]);
+  }
+  return v;
+#endif
+}
+
+// ---- stores of kBlock float32 values, rounded to nearest even into the storage type ---------------
+
+inline void store_f32(float* p, f32v v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+inline void store_f32(c10::BFloat16* p, f32v v) {
+  // Round to nearest even on the bit pattern; NaN becomes the canonical quiet NaN, as c10 does.
+  u32v bits = (u32v)v;
+  u32v rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  u32v out = is_nan(v) ? splat<u32v>(0x7FC0u) : rounded;
+  u16v narrow = __builtin_convertvector(out, u16v);
+  std::memcpy(p, &narrow, sizeof(narrow));
+}
+
+inline void store_f32(c10::Half* p, f32v v) {
+#if defined(__AVX512F__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT));
+#elif defined(__AVX2__) && defined(__F16C__)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT));
+#else
+  for (int i = 0; i < kBlock; ++i) {
+    p[i] = c10::Half(v[i]);
+  }
+#endif
+}
+
+inline f64v load_f64(const double* p) {
+  f64v v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store_f64(double* p, f64v v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+// Runs `body(pointer, count)` over [data, data + n): whole blocks in place, then the tail copied into
+// a padded block so the tail takes exactly the vector code path (same rounding, same NaN handling).
+// The padding is `fill`, chosen by the caller to be neutral for its operation. `writes` says whether
+// the block must be copied back.
+template <int64_t kLanes, typename T, typename Body>
+inline void for_each_block(T* data, int64_t n, T fill, bool writes, Body&& body) {
+  const int64_t whole = n - n % kLanes;
+  body(data, whole);
+  if (whole == n) {
+    return;
+  }
+  alignas(64) T tail[kLanes];
+  const int64_t rest = n - whole;
+  for (int64_t i = 0; i < kLanes; ++i) {
+    tail[i] = i < rest ? data[whole + i] : fill;
+  }
+  body(tail, kLanes);
+  if (writes) {
+    std::memcpy(data + whole, tail, rest * sizeof(T));
+  }
+}
+
+}  // namespace torchclip::cpu::simd

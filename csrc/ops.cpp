@@ -1,0 +1,24 @@
+// The torchclip operator library: one schema line per op. Kernels are registered per device
+// (cpu/ops_cpu.cpp; cuda/ when built); fake (meta) implementations live in torchclip/_ops.py.
+//
+// Norms come back in the dtype torch.nn.utils.get_total_norm would give (the promotion of the input
+// dtypes, real for complex inputs), while per-tensor norms are float64: they feed coefficients, and
+// rounding them to a 16-bit dtype first is how torch zeroes fp16 gradients whose norm exceeds 65504.
+#include <torch/library.h>
+
+TORCH_LIBRARY(torchclip, m) {
+  // The total `ord`-norm of `tensors` viewed as one vector, and each tensor's own norm (float64).
+  // error_if_nonfinite raises when the float64 total is NaN or inf (torch's message).
+  m.def("multi_tensor_norm(Tensor[] tensors, float ord, bool error_if_nonfinite) -> (Tensor total_norm, "
+        "Tensor per_tensor_norms)");
+  // tensors[i] *= scale (a 0-d tensor) or scale[i] (a 1-d tensor with one entry per tensor).
+  m.def("multi_tensor_scale_(Tensor(a!)[] tensors, Tensor scale) -> ()");
+  // tensors[i].clamp_(min, max) in one pass: the composition clamp_min_(min) then clamp_max_(max).
+  m.def("multi_tensor_clamp_(Tensor(a!)[] tensors, float min, float max) -> ()");
+  // torch.nn.utils.clip_grad_norm_ on gradient tensors: the total norm, then every gradient scaled by
+  // min(max_norm / (total_norm + 1e-6), 1) computed from the float64 norm; returns the total norm.
+  m.def("clip_grad_norm_(Tensor(a!)[] grads, float max_norm, float norm_type, bool error_if_nonfinite) -> Tensor");
+  // Each tensor scaled by max_norm / its own 2-norm where that norm exceeds max_norm (Paddle's
+  // ClipGradByNorm); returns the per-tensor norms before clipping (float64).
+  m.def("clip_by_tensor_norm_(Tensor(a!)[] tensors, float max_norm) -> Tensor");
+}

@@ -1,0 +1,165 @@
+"""Loads the native extension and wraps the torchclip ops.
+
+One wrapper and one fake (meta) implementation per op in csrc/ops.cpp, in the same order. The fakes
+let the ops trace under torch.compile and FakeTensorMode; `torch.library.opcheck` checks each pair.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Sequence
+
+import torch
+
+_REBUILD = "Rebuild it against the installed torch from the repository root: pip install --no-build-isolation -e ."
+
+try:
+    from torchclip import _C  # registers the torchclip::* ops with the dispatcher
+except ImportError as error:  # the message must say how to fix it, whatever the loader said
+    raise ImportError(
+        f"torchclip's native extension could not be loaded ({error}). It is missing or was built for "
+        f"another torch/Python. {_REBUILD}"
+    ) from error
+
+_built_against = _C.torch_version_built_against()
+if _built_against != torch.__version__.split("+")[0]:
+    raise ImportError(
+        f"torchclip's native extension was built against torch {_built_against}, but torch "
+        f"{torch.__version__} is installed. {_REBUILD}"
+    )
+
+# ---- CPU kernel library selection -----------------------------------------------------------------
+
+# Weakest first: a CPU that runs one runs all before it.
+_CAPABILITY_ORDER = ("DEFAULT", "AVX2", "AVX512")
+
+
+def _cpu_supports(capability: str) -> bool:
+    if capability == "DEFAULT":
+        return True
+    if capability == "AVX2":
+        return torch.cpu._is_avx2_supported()
+    if capability == "AVX512":
+        # torch's AVX512 capability also needs VL/BW/DQ; _is_avx512_supported checks the same set.
+        return torch.cpu._is_avx512_supported()
+    return False
+
+
+def _kernel_library_path(capability: str) -> str:
+    pattern = os.path.join(os.path.dirname(__file__), f"_cpu_{capability.lower()}.*")
+    matches = [p for p in glob.glob(pattern) if p.endswith((".so", ".pyd", ".dylib"))]
+    if not matches:
+        raise ImportError(f"torchclip: the {capability} CPU kernel library is missing. {_REBUILD}")
+    return matches[0]
+
+
+def cpu_capabilities() -> list[str]:
+    """The CPU kernel libraries that were built and that this CPU can run, weakest first."""
+    return [c for c in _C.cpu_capabilities_built() if _cpu_supports(c)]
+
+
+def set_cpu_capability(capability: str) -> str:
+    """Switch every CPU op to the kernel library for `capability` ('DEFAULT', 'AVX2' or 'AVX512').
+
+    The default is the best one this CPU runs, capped by torch's own choice (so ATEN_CPU_CAPABILITY
+    caps torchclip too); TORCHCLIP_CPU_CAPABILITY overrides it at import. Returns the name loaded.
+    """
+    name = str(capability).upper()
+    if name not in _CAPABILITY_ORDER:
+        raise ValueError(f"set_cpu_capability: capability must be one of {_CAPABILITY_ORDER}, got {capability!r}")
+    if name not in _C.cpu_capabilities_built():
+        raise ValueError(
+            f"set_cpu_capability: no {name} kernel library was built (built: {_C.cpu_capabilities_built()})"
+        )
+    if not _cpu_supports(name):
+        raise ValueError(f"set_cpu_capability: this CPU cannot run {name} code")
+    return _C.load_cpu_kernels(_kernel_library_path(name))
+
+
+def get_cpu_capability() -> str:
+    """The instruction set of the CPU kernel library in use."""
+    return _C.loaded_cpu_capability()
+
+
+def _default_cpu_capability() -> str:
+    override = os.environ.get("TORCHCLIP_CPU_CAPABILITY")
+    if override:
+        return override
+    torch_choice = torch.backends.cpu.get_cpu_capability()
+    cap = _CAPABILITY_ORDER.index(torch_choice) if torch_choice in _CAPABILITY_ORDER else 0
+    runnable = [c for c in cpu_capabilities() if _CAPABILITY_ORDER.index(c) <= cap]
+    return runnable[-1] if runnable else "DEFAULT"
+
+
+set_cpu_capability(_default_cpu_capability())
+
+# ---- op wrappers and fakes (same order as csrc/ops.cpp) ------------------------------------------
+
+_ops = torch.ops.torchclip
+
+
+def _total_norm_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype.to_real() if dtype.is_complex else dtype
+
+
+def multi_tensor_norm(
+    tensors: Sequence[torch.Tensor], ord: float = 2.0, error_if_nonfinite: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(total norm in torch's result dtype, per-tensor norms in float64) of a non-empty tensor list."""
+    return _ops.multi_tensor_norm(tensors, float(ord), bool(error_if_nonfinite))
+
+
+@torch.library.register_fake("torchclip::multi_tensor_norm")
+def _multi_tensor_norm_fake(tensors, ord, error_if_nonfinite):
+    first = tensors[0]
+    total = first.new_empty((), dtype=_total_norm_dtype(tensors))
+    return total, first.new_empty((len(tensors),), dtype=torch.float64)
+
+
+def multi_tensor_scale_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
+    """tensors[i] *= scale (0-d) or scale[i] (1-d), in place."""
+    _ops.multi_tensor_scale_(tensors, scale)
+
+
+@torch.library.register_fake("torchclip::multi_tensor_scale_")
+def _multi_tensor_scale_fake(tensors, scale):
+    return None
+
+
+def multi_tensor_clamp_(tensors: Sequence[torch.Tensor], min: float, max: float) -> None:
+    """tensors[i].clamp_(min, max) for every tensor, in one pass."""
+    _ops.multi_tensor_clamp_(tensors, float(min), float(max))
+
+
+@torch.library.register_fake("torchclip::multi_tensor_clamp_")
+def _multi_tensor_clamp_fake(tensors, min, max):
+    return None
+
+
+def clip_grad_norm_tensors_(
+    grads: Sequence[torch.Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool
+) -> torch.Tensor:
+    """Norm and scale of a non-empty gradient list in one call; returns the total norm."""
+    return _ops.clip_grad_norm_(grads, float(max_norm), float(norm_type), bool(error_if_nonfinite))
+
+
+@torch.library.register_fake("torchclip::clip_grad_norm_")
+def _clip_grad_norm_fake(grads, max_norm, norm_type, error_if_nonfinite):
+    return grads[0].new_empty((), dtype=_total_norm_dtype(grads))
+
+
+def clip_by_tensor_norm_(tensors: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Each tensor scaled by max_norm / its 2-norm where that exceeds max_norm; returns the norms."""
+    return _ops.clip_by_tensor_norm_(tensors, float(max_norm))
+
+
+@torch.library.register_fake("torchclip::clip_by_tensor_norm_")
+def _clip_by_tensor_norm_fake(tensors, max_norm):
+    return tensors[0].new_empty((len(tensors),), dtype=torch.float64)
+
+
+plain_cpu_tensors = _C.plain_cpu_tensors

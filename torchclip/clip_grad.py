@@ -1,0 +1,226 @@
+"""Drop-ins for torch.nn.utils' gradient clipping, on torchclip's fused multi-tensor kernels.
+
+torch.nn.utils (torch 2.13) is the specification: same signatures, defaults, return values (dtype,
+shape, device), warnings and errors. Plain strided CPU tensors take the kernels; anything else (other
+devices, sparse or subclassed tensors) takes torch's own implementation, so it is never wrong.
+
+Where torchclip differs, on purpose, it is more accurate, never less:
+
+* Norms accumulate in float64 (scaled where even float64 would overflow), so fp32 gradients of 1e20
+  have their true norm 3.2e21 instead of inf, and 1e-30 gradients a norm of 1.7e-30 instead of 0.
+* clip_grad_norm_ computes its coefficient, min(max_norm / (total_norm + 1e-6), 1), from the float64
+  norm. fp16 gradients whose norm exceeds 65504 are scaled correctly (torch zeroes them); the norm it
+  returns still has torch's dtype, so it reads inf there, as torch's does.
+* error_if_nonfinite raises when the gradients' norm is NaN or inf (a NaN or inf in them), not when a
+  finite norm merely overflows a 16-bit result dtype.
+* clip_grad_value_ with every gradient None does nothing (torch raises an internal error).
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+from torch.nn.utils import clip_grad as _torch_clip_grad
+from typing_extensions import deprecated
+
+from torchclip import _ops
+
+_tensor_or_tensors = Tensor | Iterable[Tensor]
+
+# torch's own implementations, captured before patch() can replace the public names: the path for
+# tensors the kernels do not serve.
+_torch_get_total_norm = _torch_clip_grad._get_total_norm
+_torch_clip_grads_with_norm_ = _torch_clip_grad._clip_grads_with_norm_
+_torch_clip_grad_value_ = _torch_clip_grad.clip_grad_value_
+
+
+def _as_list(tensors: _tensor_or_tensors) -> list[Tensor]:
+    return [tensors] if isinstance(tensors, Tensor) else list(tensors)
+
+
+def _kernel_tensors(items: list, take_grad: bool) -> list[Tensor] | None:
+    """The tensors (or gradients) the CPU kernels serve, or None when any needs torch's path."""
+    if torch.compiler.is_compiling():
+        # Dynamo traces this Python walk (the C++ one is opaque to it); the ops themselves trace.
+        tensors = [item.grad for item in items if item.grad is not None] if take_grad else list(items)
+        return tensors if all(t.is_cpu and t.layout == torch.strided for t in tensors) else None
+    return _ops.plain_cpu_tensors(items, take_grad)
+
+
+def _grads(parameters: list) -> list[Tensor]:
+    return [p.grad for p in parameters if p.grad is not None]
+
+
+@torch.no_grad()
+def get_total_norm(
+    tensors: _tensor_or_tensors,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> Tensor:
+    r"""The norm of an iterable of tensors, as if they were concatenated into one vector.
+
+    Drop-in for :func:`torch.nn.utils.get_total_norm`. The result has torch's dtype (the promotion of
+    the inputs' dtypes) and lives on the first tensor's device; an empty input gives ``tensor(0.)``.
+    ``norm_type`` may be any float torch accepts (``'inf'`` included); 1, 2 and inf take the fast
+    kernels. ``error_if_nonfinite=True`` raises when the norm is NaN or inf.
+    """
+    tensors = _as_list(tensors)
+    norm_type = float(norm_type)
+    if len(tensors) == 0:
+        return torch.tensor(0.0)
+    kernel_tensors = _kernel_tensors(tensors, take_grad=False)
+    if kernel_tensors is None:
+        return _torch_get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
+    total_norm, _ = _ops.multi_tensor_norm(kernel_tensors, norm_type, error_if_nonfinite)
+    return total_norm
+
+
+@torch.no_grad()
+def clip_grads_with_norm_(
+    parameters: _tensor_or_tensors,
+    max_norm: float,
+    total_norm: Tensor,
+    foreach: bool | None = None,
+) -> None:
+    r"""Scale the gradients of ``parameters`` by ``min(max_norm / (total_norm + 1e-6), 1)``, in place.
+
+    Drop-in for :func:`torch.nn.utils.clip_grads_with_norm_`: the coefficient is computed exactly as
+    torch computes it, in ``total_norm``'s dtype and on its device. A coefficient of exactly 1 writes
+    nothing on CPU.
+    """
+    parameters = _as_list(parameters)
+    grads = _kernel_tensors(parameters, take_grad=True)
+    if grads is None:
+        return _torch_clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
+    max_norm = float(max_norm)
+    if len(grads) == 0:
+        return None
+    clip_coef = max_norm / (total_norm + 1e-6)
+    clip_coef_clamped = torch.clamp(clip_coef, max=1.0)
+    _ops.multi_tensor_scale_(grads, clip_coef_clamped.to("cpu"))
+    return None
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: _tensor_or_tensors,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> Tensor:
+    r"""Clip the gradient norm of an iterable of parameters, in place; return the total norm.
+
+    Drop-in for :func:`torch.nn.utils.clip_grad_norm_`: the norm of all gradients viewed as one vector,
+    then every gradient multiplied by ``min(max_norm / (total_norm + 1e-6), 1)``. On CPU the norm, the
+    check and the scaling are one native call, the coefficient comes from the float64 norm, and the
+    write pass is skipped when no clipping is needed. See the module docstring for where this is more
+    accurate than torch.
+    """
+    if isinstance(parameters, Tensor):
+        parameters = [parameters]
+    else:
+        is_generator = isinstance(parameters, types.GeneratorType)
+        parameters = list(parameters)
+        if is_generator and len(parameters) == 0:
+            # stacklevel 3: this function, torch.no_grad's wrapper, then the caller (as torch's).
+            warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=3)
+    grads = _kernel_tensors(parameters, take_grad=True)
+    if grads is None:
+        grads = _grads(parameters)
+        total_norm = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
+        return total_norm
+    norm_type = float(norm_type)
+    max_norm = float(max_norm)
+    if len(grads) == 0:
+        return torch.tensor(0.0)
+    return _ops.clip_grad_norm_tensors_(grads, max_norm, norm_type, error_if_nonfinite)
+
+
+@deprecated(
+    "`torchclip.clip_grad_norm` is deprecated in favor of `torchclip.clip_grad_norm_` "
+    "(as torch.nn.utils.clip_grad_norm is in favor of torch.nn.utils.clip_grad_norm_).",
+    category=FutureWarning,
+)
+def clip_grad_norm(
+    parameters: _tensor_or_tensors,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> Tensor:
+    r"""Deprecated alias of :func:`clip_grad_norm_` (warns with a FutureWarning, as torch's does)."""
+    return clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+@torch.no_grad()
+def clip_grad_value_(
+    parameters: _tensor_or_tensors,
+    clip_value: float,
+    foreach: bool | None = None,
+) -> None:
+    r"""Clamp every gradient to ``[-clip_value, clip_value]``, in place.
+
+    Drop-in for :func:`torch.nn.utils.clip_grad_value_`, in one read-write pass on CPU (torch makes two).
+    Parameters without gradients are skipped; if none has one, nothing happens.
+    """
+    parameters = _as_list(parameters)
+    clip_value = float(clip_value)
+    grads = _kernel_tensors(parameters, take_grad=True)
+    if grads is None:
+        if len(_grads(parameters)) == 0:
+            return None
+        return _torch_clip_grad_value_(parameters, clip_value, foreach)
+    if len(grads) > 0:
+        _ops.multi_tensor_clamp_(grads, -clip_value, clip_value)
+    return None
+
+
+# ---- torch.nn.utils patching ---------------------------------------------------------------------
+
+_PATCHES = {
+    torch.nn.utils: {
+        "clip_grad_norm_": clip_grad_norm_,
+        "clip_grad_norm": clip_grad_norm,
+        "clip_grad_value_": clip_grad_value_,
+        "get_total_norm": get_total_norm,
+        "clip_grads_with_norm_": clip_grads_with_norm_,
+    },
+    _torch_clip_grad: {
+        "clip_grad_norm_": clip_grad_norm_,
+        "clip_grad_norm": clip_grad_norm,
+        "clip_grad_value_": clip_grad_value_,
+    },
+}
+
+
+class patch:
+    """Install torchclip's drop-ins into ``torch.nn.utils`` (and ``torch.nn.utils.clip_grad``).
+
+    For code that cannot change its imports: ``torchclip.patch()`` installs them until ``.undo()``;
+    ``with torchclip.patch(): ...`` installs them for the block and restores what was there before.
+    Code that did ``from torch.nn.utils import clip_grad_norm_`` before patching keeps torch's function.
+    """
+
+    def __init__(self) -> None:
+        self._saved = [(module, name, getattr(module, name)) for module, names in _PATCHES.items() for name in names]
+        for module, names in _PATCHES.items():
+            for name, function in names.items():
+                setattr(module, name, function)
+
+    def undo(self) -> None:
+        for module, name, original in reversed(self._saved):
+            setattr(module, name, original)
+        self._saved = []
+
+    def __enter__(self) -> patch:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.undo()
