@@ -1,9 +1,11 @@
 // torchclip._C: registers the ops (ops.cpp, cpu/ops_cpu.cpp are linked in) and exposes a few Python
 // helpers. Ops go through the dispatcher (torch.ops.torchclip.*); pybind11 carries only what is not
-// an op: build information, loading the per-ISA kernel library, and the parameter walk below.
+// an op: build information, loading the per-ISA kernel library, and the eager fast path below, which
+// walks the parameters in C++ and calls the same ops through the C++ dispatcher.
 #include <torch/extension.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/version.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include "cpu/kernel_loader.h"
 
@@ -13,43 +15,90 @@
 
 namespace {
 
-// The tensors the CPU kernels can serve, collected in one C++ walk: the items of `items` (a list or
-// tuple) themselves, or with take_grad their .grad, skipping undefined ones. Returns None unless every
-// item is a plain torch.Tensor / nn.Parameter and every collected tensor a plain strided CPU tensor;
-// the caller then takes the general path (other devices, sparse gradients, tensor subclasses whose
-// .grad or arithmetic may mean something else).
+// The eager fast path for plain CPU tensors: one C++ walk over the Python list, then the op through
+// the C++ dispatcher. Why not Python: reading .grad costs ~55 ns per parameter per access (torch's
+// filter reads it twice: 1.1 ms for 10,000 parameters), and passing a 10,000-tensor list through
+// torch.ops costs ~0.5 ms more; both exceed what the kernels spend on 10,000 x 100 floats.
 //
-// Why C++: reading .grad from Python costs ~55 ns per parameter per access and torch's filter reads
-// it twice: 1.1 ms for 10,000 parameters, more than the kernels spend on their data.
-py::object plain_cpu_tensors(py::handle items_handle, bool take_grad) {
-  PyObject* seq = items_handle.ptr();
-  TORCH_CHECK(PyList_Check(seq) || PyTuple_Check(seq), "plain_cpu_tensors expects a list or tuple");
+// Collects `items` (a list or tuple) themselves, or with take_grad their defined .grad, into `out`.
+// Returns false, and the caller takes the general Python path, unless every item is a plain
+// torch.Tensor / nn.Parameter (a subclass may give .grad another meaning) and every collected tensor
+// a strided CPU tensor without a Python dispatch key (no tensor subclass, fake or functional tensor).
+bool collect_plain_cpu(py::handle items, bool take_grad, std::vector<at::Tensor>& out) {
+  PyObject* seq = items.ptr();
+  if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
+    return false;
+  }
   const Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
-  PyObject** items = PySequence_Fast_ITEMS(seq);
-  py::list tensors;
+  PyObject** elements = PySequence_Fast_ITEMS(seq);
+  out.reserve(count);
   for (Py_ssize_t i = 0; i < count; ++i) {
-    PyObject* item = items[i];
-    if (!THPVariable_CheckExact(item)) {
-      return py::none();
+    if (!THPVariable_CheckExact(elements[i])) {
+      return false;
     }
-    const at::Tensor& tensor = take_grad ? THPVariable_Unpack(item).grad() : THPVariable_Unpack(item);
+    const at::Tensor& item = THPVariable_Unpack(elements[i]);
+    const at::Tensor& tensor = take_grad ? item.grad() : item;
     if (!tensor.defined()) {
       continue;
     }
-    if (!tensor.device().is_cpu() || tensor.layout() != at::kStrided) {
-      return py::none();
+    if (!tensor.device().is_cpu() || tensor.layout() != at::kStrided ||
+        tensor.key_set().has(c10::DispatchKey::Python)) {
+      return false;
     }
-    if (!take_grad) {
-      tensors.append(item);
-      continue;
-    }
-    py::object wrapped = py::reinterpret_steal<py::object>(THPVariable_Wrap(tensor));
-    if (!THPVariable_CheckExact(wrapped.ptr())) {
-      return py::none();
-    }
-    tensors.append(wrapped);
+    out.push_back(tensor);
   }
-  return std::move(tensors);
+  return true;
+}
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> torchclip_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+// get_total_norm: the total norm, or None when the general path must serve these tensors.
+py::object total_norm_of_plain_cpu(py::handle tensors, double norm_type, bool error_if_nonfinite) {
+  static const auto op = torchclip_op<std::tuple<at::Tensor, at::Tensor>(at::TensorList, double, bool)>(
+      "torchclip::multi_tensor_norm");
+  std::vector<at::Tensor> list;
+  if (!collect_plain_cpu(tensors, false, list) || list.empty()) {
+    return py::none();
+  }
+  at::Tensor total;
+  {
+    py::gil_scoped_release no_gil;
+    total = std::get<0>(op.call(list, norm_type, error_if_nonfinite));
+  }
+  return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(total)));
+}
+
+// clip_grad_norm_: the total norm after clipping, or None (general path, or no gradients at all).
+py::object clip_grad_norm_of_plain_cpu(py::handle parameters, double max_norm, double norm_type,
+    bool error_if_nonfinite) {
+  static const auto op = torchclip_op<at::Tensor(at::TensorList, double, double, bool)>("torchclip::clip_grad_norm_");
+  std::vector<at::Tensor> grads;
+  if (!collect_plain_cpu(parameters, true, grads) || grads.empty()) {
+    return py::none();
+  }
+  at::Tensor total;
+  {
+    py::gil_scoped_release no_gil;
+    total = op.call(grads, max_norm, norm_type, error_if_nonfinite);
+  }
+  return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(total)));
+}
+
+// clip_grad_value_: True when done here (including "no gradients"), False for the general path.
+bool clip_grad_value_of_plain_cpu(py::handle parameters, double clip_value) {
+  static const auto op = torchclip_op<void(at::TensorList, double, double)>("torchclip::multi_tensor_clamp_");
+  std::vector<at::Tensor> grads;
+  if (!collect_plain_cpu(parameters, true, grads)) {
+    return false;
+  }
+  if (!grads.empty()) {
+    py::gil_scoped_release no_gil;
+    op.call(grads, -clip_value, clip_value);
+  }
+  return true;
 }
 
 }  // namespace
@@ -81,5 +130,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("load_cpu_kernels", &torchclip::load_cpu_kernels, py::arg("path"),
       "Load a per-ISA CPU kernel library and use it for every CPU op from now on.");
   m.def("loaded_cpu_capability", &torchclip::loaded_cpu_capability);
-  m.def("plain_cpu_tensors", &plain_cpu_tensors, py::arg("items"), py::arg("take_grad"));
+  m.def("total_norm_of_plain_cpu", &total_norm_of_plain_cpu, py::arg("tensors"), py::arg("norm_type"),
+      py::arg("error_if_nonfinite"));
+  m.def("clip_grad_norm_of_plain_cpu", &clip_grad_norm_of_plain_cpu, py::arg("parameters"), py::arg("max_norm"),
+      py::arg("norm_type"), py::arg("error_if_nonfinite"));
+  m.def("clip_grad_value_of_plain_cpu", &clip_grad_value_of_plain_cpu, py::arg("parameters"),
+      py::arg("clip_value"));
 }

@@ -162,4 +162,10 @@ def _clip_by_tensor_norm_fake(tensors, max_norm):
     return tensors[0].new_empty((len(tensors),), dtype=torch.float64)
 
 
-plain_cpu_tensors = _C.plain_cpu_tensors
+# ---- eager fast paths (csrc/python_module.cpp) ----------------------------------------------------
+# The parameter walk in C++ and the same ops through the C++ dispatcher. Each returns None (False for
+# the value clip) when some item is not a plain strided CPU tensor; the caller then takes the general
+# path. Dynamo cannot trace them: under torch.compile the callers use the op wrappers above.
+total_norm_of_plain_cpu = _C.total_norm_of_plain_cpu
+clip_grad_norm_of_plain_cpu = _C.clip_grad_norm_of_plain_cpu
+clip_grad_value_of_plain_cpu = _C.clip_grad_value_of_plain_cpu

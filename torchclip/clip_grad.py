@@ -42,13 +42,14 @@ def _as_list(tensors: _tensor_or_tensors) -> list[Tensor]:
     return [tensors] if isinstance(tensors, Tensor) else list(tensors)
 
 
-def _kernel_tensors(items: list, take_grad: bool) -> list[Tensor] | None:
-    """The tensors (or gradients) the CPU kernels serve, or None when any needs torch's path."""
-    if torch.compiler.is_compiling():
-        # Dynamo traces this Python walk (the C++ one is opaque to it); the ops themselves trace.
-        tensors = [item.grad for item in items if item.grad is not None] if take_grad else list(items)
-        return tensors if all(t.is_cpu and t.layout == torch.strided for t in tensors) else None
-    return _ops.plain_cpu_tensors(items, take_grad)
+def _is_plain_cpu(tensor: Tensor) -> bool:
+    """Whether the CPU kernels serve this tensor: strided, on CPU, and not a tensor subclass (whose
+    arithmetic may mean something else; under torch.compile dynamo sees plain tensors)."""
+    return (
+        tensor.is_cpu
+        and tensor.layout == torch.strided
+        and (torch.compiler.is_compiling() or type(tensor) in (Tensor, torch.nn.Parameter))
+    )
 
 
 def _grads(parameters: list) -> list[Tensor]:
@@ -73,11 +74,14 @@ def get_total_norm(
     norm_type = float(norm_type)
     if len(tensors) == 0:
         return torch.tensor(0.0)
-    kernel_tensors = _kernel_tensors(tensors, take_grad=False)
-    if kernel_tensors is None:
-        return _torch_get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
-    total_norm, _ = _ops.multi_tensor_norm(kernel_tensors, norm_type, error_if_nonfinite)
-    return total_norm
+    if not torch.compiler.is_compiling():
+        total_norm = _ops.total_norm_of_plain_cpu(tensors, norm_type, error_if_nonfinite)
+        if total_norm is not None:
+            return total_norm
+    elif all(_is_plain_cpu(t) for t in tensors):
+        total_norm, _ = _ops.multi_tensor_norm(tensors, norm_type, error_if_nonfinite)
+        return total_norm
+    return _torch_get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
 
 
 @torch.no_grad()
@@ -94,8 +98,8 @@ def clip_grads_with_norm_(
     nothing on CPU.
     """
     parameters = _as_list(parameters)
-    grads = _kernel_tensors(parameters, take_grad=True)
-    if grads is None:
+    grads = _grads(parameters)
+    if not all(_is_plain_cpu(g) for g in grads):
         return _torch_clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
     max_norm = float(max_norm)
     if len(grads) == 0:
@@ -130,17 +134,19 @@ def clip_grad_norm_(
         if is_generator and len(parameters) == 0:
             # stacklevel 3: this function, torch.no_grad's wrapper, then the caller (as torch's).
             warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=3)
-    grads = _kernel_tensors(parameters, take_grad=True)
-    if grads is None:
-        grads = _grads(parameters)
-        total_norm = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
-        clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
-        return total_norm
-    norm_type = float(norm_type)
-    max_norm = float(max_norm)
-    if len(grads) == 0:
-        return torch.tensor(0.0)
-    return _ops.clip_grad_norm_tensors_(grads, max_norm, norm_type, error_if_nonfinite)
+    if not torch.compiler.is_compiling():
+        total_norm = _ops.clip_grad_norm_of_plain_cpu(
+            parameters, float(max_norm), float(norm_type), bool(error_if_nonfinite)
+        )
+        if total_norm is not None:
+            return total_norm
+    grads = _grads(parameters)
+    if grads and all(_is_plain_cpu(g) for g in grads):
+        return _ops.clip_grad_norm_tensors_(grads, float(max_norm), float(norm_type), error_if_nonfinite)
+    # Other devices, subclasses, sparse gradients, or none at all: torch's composition.
+    total_norm = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+    clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
+    return total_norm
 
 
 @deprecated(
@@ -172,14 +178,15 @@ def clip_grad_value_(
     """
     parameters = _as_list(parameters)
     clip_value = float(clip_value)
-    grads = _kernel_tensors(parameters, take_grad=True)
-    if grads is None:
-        if len(_grads(parameters)) == 0:
-            return None
-        return _torch_clip_grad_value_(parameters, clip_value, foreach)
-    if len(grads) > 0:
+    if not torch.compiler.is_compiling() and _ops.clip_grad_value_of_plain_cpu(parameters, clip_value):
+        return None
+    grads = _grads(parameters)
+    if not grads:
+        return None
+    if all(_is_plain_cpu(g) for g in grads):
         _ops.multi_tensor_clamp_(grads, -clip_value, clip_value)
-    return None
+        return None
+    return _torch_clip_grad_value_(parameters, clip_value, foreach)
 
 
 # ---- torch.nn.utils patching ---------------------------------------------------------------------

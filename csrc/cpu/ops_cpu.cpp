@@ -59,7 +59,8 @@ Split split_tensors(at::TensorList tensors, const char* op) {
         "; only strided tensors are supported here");
     split.promoted = i == 0 ? t.scalar_type() : at::promote_types(split.promoted, t.scalar_type());
     const auto dtype = kernel_dtype(t.scalar_type());
-    if (dtype && t.is_non_overlapping_and_dense()) {
+    // A lazily negated view (neg bit) holds -x in memory as x: only ATen knows to flip it.
+    if (dtype && t.is_non_overlapping_and_dense() && !t.is_neg()) {
       split.spans.push_back({t.data_ptr(), t.numel(), *dtype});
       split.span_source.push_back(static_cast<int64_t>(i));
     } else {

@@ -1,0 +1,232 @@
+"""torchclip-bench: time torchclip against torch.nn.utils and against the memory bound.
+
+Method (the numbers are only worth what the method is):
+* Each workload's gradients are views into one flat buffer, as DDP's gradient buckets and FSDP's flat
+  parameters lay them out. The bound is a single pass of the fastest torch op over that same buffer
+  (sum for a norm, sum + mul_ for norm + scale, clamp_ for value clipping): the same bytes, the same
+  pages. (Separately allocated buffers of equal size differ from each other by up to 30% here, by
+  physical placement alone, which would swamp the comparison.)
+* torch, torchclip and the bound run interleaved in one process (round r starts with candidate r mod 3),
+  after warm-up; the table shows medians and the spread (interquartile range / median).
+* "clip" rows scale every gradient on every call: each call's max_norm is 0.9999 x the norm the
+  previous call left, so both libraries always write and the values never drift towards denormals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+import torchclip
+from torchclip.bench import workloads
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_WORKLOADS = ["gpt2_124m", "resnet50", "2000x64x64", "10000x100"]
+QUICK_WORKLOADS = ["mobilenet_v3_small", "2000x64x64", "10000x100"]
+OPS = ["clip_grad_norm_ (no clip)", "clip_grad_norm_ (clip)", "get_total_norm", "clip_grad_value_"]
+
+
+@dataclass
+class Row:
+    op: str
+    workload: str
+    dtype: str
+    threads: int
+    tensors: int
+    elements: int
+    torch_ms: float
+    torchclip_ms: float
+    bound_ms: float
+    speedup: float
+    bound_ratio: float
+    gbps: float
+    spread: float
+
+
+class Grads:
+    """Parameters whose gradients are views into one flat buffer."""
+
+    def __init__(self, shape_list, dtype, seed=0):
+        sizes = [math.prod(s) for s in shape_list]
+        generator = torch.Generator().manual_seed(seed)
+        self.flat = torch.randn(sum(sizes), generator=generator, dtype=torch.float32).to(dtype)
+        self.flat.mul_(1.0 / math.sqrt(max(1, self.flat.numel())))  # total norm ~1
+        self.params = []
+        for view, shape in zip(torch.split(self.flat, sizes), shape_list):
+            p = torch.nn.Parameter(torch.empty(shape, dtype=dtype))  # never touched: no pages
+            p.grad = view.view(shape)
+            self.params.append(p)
+        self.grads = [p.grad for p in self.params]
+
+    def reset(self):
+        torch.manual_seed(0)
+        self.flat.normal_().mul_(1.0 / math.sqrt(max(1, self.flat.numel())))
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def interleave(candidates, rounds, warmup):
+    """Medians and spreads (IQR / median) of each candidate, run in rotating order."""
+    for _ in range(warmup):
+        for fn in candidates:
+            fn()
+    samples = [[] for _ in candidates]
+    for r in range(rounds):
+        for k in range(len(candidates)):
+            i = (r + k) % len(candidates)
+            samples[i].append(timed(candidates[i]))
+    out = []
+    for s in samples:
+        s.sort()
+        median = statistics.median(s)
+        q1, q3 = s[len(s) // 4], s[(3 * len(s)) // 4]
+        out.append((median, (q3 - q1) / median if median > 0 else 0.0))
+    return out
+
+
+def candidates_for(op, g: Grads):
+    flat, params, grads = g.flat, g.params, g.grads
+    if op == "clip_grad_norm_ (no clip)":
+        return (
+            lambda: torch.nn.utils.clip_grad_norm_(params, 1e30),
+            lambda: torchclip.clip_grad_norm_(params, 1e30),
+            lambda: flat.sum(),
+            1,
+        )
+    if op == "clip_grad_norm_ (clip)":
+        state = {"max_norm": float(torchclip.get_total_norm(grads).double())}
+
+        def next_max_norm():
+            state["max_norm"] *= 0.9999
+            return state["max_norm"]
+
+        return (
+            lambda: torch.nn.utils.clip_grad_norm_(params, next_max_norm()),
+            lambda: torchclip.clip_grad_norm_(params, next_max_norm()),
+            lambda: (flat.sum(), flat.mul_(1.0)),
+            3,
+        )
+    if op == "get_total_norm":
+        return (
+            lambda: torch.nn.utils.get_total_norm(grads),
+            lambda: torchclip.get_total_norm(grads),
+            lambda: flat.sum(),
+            1,
+        )
+    if op == "clip_grad_value_":
+        return (
+            lambda: torch.nn.utils.clip_grad_value_(params, 0.5),
+            lambda: torchclip.clip_grad_value_(params, 0.5),
+            lambda: flat.clamp_(-0.5, 0.5),
+            2,
+        )
+    raise ValueError(op)
+
+
+def run(workload_names, dtype_names, thread_counts, ops, rounds, warmup, progress):
+    rows = []
+    jobs = [(w, d, t) for w in workload_names for d in dtype_names for t in thread_counts]
+    for n, (workload, dtype_name, threads) in enumerate(jobs):
+        shape_list = workloads.shapes(workload)
+        label = os.path.basename(workload)[:-5] if workload.endswith(".json") else workload
+        g = Grads(shape_list, DTYPES[dtype_name])
+        torch.set_num_threads(threads)
+        for op in ops:
+            progress(f"[{n + 1}/{len(jobs)}] {label} {dtype_name} threads={threads}: {op}")
+            torch_fn, torchclip_fn, bound_fn, passes = candidates_for(op, g)
+            (t_torch, s1), (t_clip, s2), (t_bound, s3) = interleave([torch_fn, torchclip_fn, bound_fn], rounds, warmup)
+            bytes_moved = g.flat.numel() * g.flat.element_size() * passes
+            rows.append(Row(op, label, dtype_name, threads, len(shape_list), g.flat.numel(), t_torch, t_clip,
+                            t_bound, t_torch / t_clip, t_clip / t_bound, bytes_moved / t_clip / 1e6,
+                            max(s1, s2, s3)))
+            g.reset()
+        del g
+    progress(None)
+    return rows
+
+
+def format_table(rows) -> str:
+    header = ["workload", "dtype", "thr", "op", "torch ms", "torchclip ms", "bound ms", "speed-up", "x bound",
+              "GB/s", "spread"]
+    lines = [header]
+    for r in rows:
+        lines.append([r.workload, r.dtype, str(r.threads), r.op, f"{r.torch_ms:.3f}", f"{r.torchclip_ms:.3f}",
+                      f"{r.bound_ms:.3f}", f"{r.speedup:.1f}x", f"{r.bound_ratio:.2f}", f"{r.gbps:.1f}",
+                      f"{100 * r.spread:.0f}%"])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = []
+    for k, line in enumerate(lines):
+        out.append("  ".join(cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))))
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def make_progress(enabled):
+    def progress(message):
+        if not enabled:
+            return
+        sys.stderr.write("\r\033[K" + (message or ""))
+        sys.stderr.flush()
+
+    return progress
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="torchclip-bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", action="append",
+                        help=f"a name ({', '.join(workloads.names())}) or a JSON file of shapes; repeatable")
+    parser.add_argument("--dtype", action="append", help=f"one of {', '.join(DTYPES)}; repeatable (default float32)")
+    parser.add_argument("--threads", default=str(torch.get_num_threads()),
+                        help="comma list of thread counts (default: all cores)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per candidate (default 15; 5 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="small workloads, few rounds: seconds, for CI")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    args = parser.parse_args(argv)
+    for d in args.dtype or []:
+        if d not in DTYPES:
+            parser.error(f"--dtype {d!r}: unknown; choose from {', '.join(DTYPES)}")
+    try:
+        args.thread_counts = [int(t) for t in args.threads.split(",")]
+        if any(t < 1 for t in args.thread_counts):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--threads {args.threads!r}: expected a comma list of positive integers")
+    for w in args.workload or []:
+        try:
+            workloads.shapes(w)
+        except ValueError as error:
+            parser.error(str(error))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    names = args.workload or (QUICK_WORKLOADS if args.quick else DEFAULT_WORKLOADS)
+    rounds = args.rounds or (5 if args.quick else 15)
+    rows = run(names, args.dtype or ["float32"], args.thread_counts, OPS, rounds, warmup=1 if args.quick else 2,
+               progress=make_progress(sys.stderr.isatty()))
+    print(f"torchclip {torchclip.__version__} (CPU kernels: {torchclip.get_cpu_capability()}), torch {torch.__version__}, "
+          f"{os.cpu_count()} CPUs; medians of {rounds} interleaved rounds")
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "cpu_capability": torchclip.get_cpu_capability(),
+                       "rows": [asdict(r) for r in rows]}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Benchmark workloads: parameter shapes of real models (shipped as JSON) and synthetic lists."""
+
+from __future__ import annotations
+
+import json
+import math
+from importlib import resources
+
+# name -> shapes, for the synthetic workloads; real models come from the JSON files beside this one.
+SYNTHETIC = {
+    "2000x64x64": [[64, 64]] * 2000,
+    "10000x100": [[100]] * 10000,
+    "64M": [[64 * 1024 * 1024]],
+}
+
+
+def model_names() -> list[str]:
+    return sorted(p.name[: -len(".json")] for p in resources.files(__package__).joinpath("workloads").iterdir()
+                  if p.name.endswith(".json"))
+
+
+def names() -> list[str]:
+    return model_names() + list(SYNTHETIC)
+
+
+def shapes(name_or_path: str) -> list[list[int]]:
+    """The parameter shapes of a workload: a name from names(), or a JSON file with a 'shapes' list."""
+    if name_or_path in SYNTHETIC:
+        return SYNTHETIC[name_or_path]
+    if name_or_path in model_names():
+        text = resources.files(__package__).joinpath("workloads", f"{name_or_path}.json").read_text()
+    elif name_or_path.endswith(".json"):
+        try:
+            with open(name_or_path) as f:
+                text = f.read()
+        except OSError as error:
+            raise ValueError(f"--workload {name_or_path!r}: cannot read the file ({error})") from error
+    else:
+        raise ValueError(f"--workload {name_or_path!r}: unknown; choose from {names()} or give a .json file of shapes")
+    data = json.loads(text)
+    if not isinstance(data, dict) or not isinstance(data.get("shapes"), list):
+        raise ValueError(f"--workload {name_or_path!r}: expected a JSON object with a 'shapes' list")
+    return data["shapes"]
+
+
+def numel(shape_list: list[list[int]]) -> int:
+    return sum(math.prod(s) for s in shape_list)
