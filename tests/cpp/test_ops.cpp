@@ -1,0 +1,103 @@
+// C++ test of the torchclip ops through the dispatcher, against ATen, for one kernel module.
+// Usage: torchclip_cpp_test <kernel module path> <expected capability>
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <cmath>
+#include <iostream>
+#include <vector>
+
+#include "cpu/kernel_loader.h"
+
+namespace {
+
+int failures = 0;
+
+void expect(bool ok, const std::string& what) {
+  std::cout << (ok ? "PASS " : "FAIL ") << what << "\n";
+  failures += ok ? 0 : 1;
+}
+
+// Small enough that every norm here is representable in float16 (its largest finite value is 65504).
+constexpr double kScale = 0.01;
+
+std::vector<at::Tensor> sample(at::ScalarType dtype) {
+  at::manual_seed(0);
+  std::vector<at::Tensor> tensors;
+  for (int64_t n : {1, 7, 16, 100, 4097, 200003}) {
+    tensors.push_back((at::randn({n}) * kScale).to(dtype));
+  }
+  tensors.push_back((at::randn({33, 17}) * kScale).t().to(dtype));  // dense, permuted strides
+  tensors.push_back((at::randn({40}) * kScale).to(dtype).slice(0, 0, 40, 3));  // gaps: ATen's path
+  return tensors;
+}
+
+double reference_total_norm(const std::vector<at::Tensor>& tensors, double ord) {
+  std::vector<at::Tensor> norms;
+  for (const auto& t : tensors) {
+    norms.push_back(at::linalg_vector_norm(t.to(at::kDouble), ord));
+  }
+  return at::linalg_vector_norm(at::stack(norms), ord).item<double>();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 3) {
+    std::cerr << "usage: " << argv[0] << " <kernel module> <capability>\n";
+    return 2;
+  }
+  const std::string capability = torchclip::load_cpu_kernels(argv[1]);
+  expect(capability == argv[2], "loaded capability " + capability);
+
+  auto norm_op = c10::Dispatcher::singleton()
+                     .findSchemaOrThrow("torchclip::multi_tensor_norm", "")
+                     .typed<std::tuple<at::Tensor, at::Tensor>(at::TensorList, double, bool)>();
+  auto clip_op = c10::Dispatcher::singleton()
+                     .findSchemaOrThrow("torchclip::clip_grad_norm_", "")
+                     .typed<at::Tensor(at::TensorList, double, double, bool)>();
+  auto clamp_op = c10::Dispatcher::singleton()
+                      .findSchemaOrThrow("torchclip::multi_tensor_clamp_", "")
+                      .typed<void(at::TensorList, double, double)>();
+
+  for (auto dtype : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16}) {
+    const std::string name = std::string(c10::toString(dtype));
+    const double tolerance = (dtype == at::kHalf || dtype == at::kBFloat16) ? 1e-2 : 1e-6;
+    for (double ord : {1.0, 2.0, static_cast<double>(INFINITY), 3.0}) {
+      auto tensors = sample(dtype);
+      const double got = std::get<0>(norm_op.call(tensors, ord, false)).to(at::kDouble).item<double>();
+      const double want = reference_total_norm(tensors, ord);
+      expect(std::abs(got - want) <= tolerance * std::abs(want),
+             name + " norm ord=" + std::to_string(ord) + ": " + std::to_string(got) + " vs " + std::to_string(want));
+    }
+    {
+      auto tensors = sample(dtype);
+      std::vector<at::Tensor> expected;
+      const double total = reference_total_norm(tensors, 2.0);
+      for (const auto& t : tensors) {
+        expected.push_back(t.to(at::kDouble) * std::min(1.0 / (total + 1e-6), 1.0));
+      }
+      clip_op.call(tensors, 1.0, 2.0, false);
+      bool close = true;
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        close &= at::allclose(tensors[i].to(at::kDouble), expected[i], tolerance, 1e-7);
+      }
+      expect(close, name + " clip_grad_norm_ scales every tensor by max_norm / total_norm");
+    }
+    {
+      auto tensors = sample(dtype);
+      std::vector<at::Tensor> expected;
+      for (const auto& t : tensors) {
+        expected.push_back(t.clamp(-0.5, 0.5));
+      }
+      clamp_op.call(tensors, -0.5, 0.5);
+      bool equal = true;
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        equal &= at::equal(tensors[i], expected[i]);
+      }
+      expect(equal, name + " multi_tensor_clamp_ equals at::clamp");
+    }
+  }
+  std::cout << (failures == 0 ? "all passed" : std::to_string(failures) + " failed") << "\n";
+  return failures == 0 ? 0 : 1;
+}
