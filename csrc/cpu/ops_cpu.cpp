@@ -3,6 +3,7 @@
 // clip coefficients). Every check runs before any tensor is written, so an error leaves every
 // gradient as it was.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
 #include <charconv>
@@ -70,6 +71,16 @@ Split split_tensors(at::TensorList tensors, const char* op) {
   return split;
 }
 
+// ATen refuses to write in place into a tensor whose elements share memory (an expanded view);
+// refusing it before the first write keeps the promise that an error leaves every tensor as it was.
+// (Spans are non-overlapping by construction; only ATen's path can hold such a tensor.)
+void check_writable(at::TensorList tensors, const Split& split, const char* op) {
+  for (int64_t i : split.aten_path) {
+    TORCH_CHECK(at::has_internal_overlap(tensors[i]) != at::MemOverlap::Yes, op, ": tensors[", i,
+        "] has elements that share memory (an expanded view?), so it cannot be modified in place");
+  }
+}
+
 // Python's repr of a float, so messages read as torch's ("2.0", "inf").
 std::string python_float(double value) {
   if (std::isnan(value)) {
@@ -127,7 +138,11 @@ at::Tensor scalar_in_dtype(double value, at::ScalarType dtype) {
 }
 
 // tensors[i] *= scales[i]; scales of exactly 1 are skipped by the kernels (and here, for ATen's path).
-void apply_scales(at::TensorList tensors, const Split& split, const std::vector<double>& scales) {
+// `aten_scale(i)` gives the factor ATen's path multiplies by: a double, or a 0-d tensor where torch's
+// type promotion must be reproduced exactly.
+template <typename AtenScale>
+void apply_scales(at::TensorList tensors, const Split& split, const std::vector<double>& scales,
+    const AtenScale& aten_scale) {
   if (!split.spans.empty()) {
     std::vector<double> span_scales(split.spans.size());
     for (size_t k = 0; k < split.spans.size(); ++k) {
@@ -138,9 +153,13 @@ void apply_scales(at::TensorList tensors, const Split& split, const std::vector<
   for (int64_t i : split.aten_path) {
     if (scales[i] != 1.0) {
       // A const reference to a list element: mul_ writes the shared storage in place.
-      tensors[i].mul_(scales[i]);
+      tensors[i].mul_(aten_scale(i));
     }
   }
+}
+
+void apply_scales(at::TensorList tensors, const Split& split, const std::vector<double>& scales) {
+  apply_scales(tensors, split, scales, [&](int64_t i) { return scales[i]; });
 }
 
 // torch's error for error_if_nonfinite, raised from the float64 total: finite gradients whose norm
@@ -170,19 +189,36 @@ void multi_tensor_scale_cpu(at::TensorList tensors, const at::Tensor& scale) {
       scale.sizes());
   TORCH_CHECK(scale.device().is_cpu(), op, ": scale is on ", scale.device(), "; expected CPU");
   TORCH_CHECK(!scale.is_complex(), op, ": scale has dtype ", scale.scalar_type(), "; expected a real dtype");
-  const Split split = split_tensors(tensors, op);
+  Split split = split_tensors(tensors, op);
+  check_writable(tensors, split, op);
+  // torch multiplies a 0-d tensor by a 0-d scale in their promoted dtype (float32 x float64 in
+  // float64), unlike any tensor with dimensions: leave those to ATen, which knows the rule.
+  std::vector<TensorSpan> spans;
+  std::vector<int64_t> sources;
+  for (size_t k = 0; k < split.spans.size(); ++k) {
+    const at::Tensor& t = tensors[split.span_source[k]];
+    if (t.dim() == 0 && at::promote_types(t.scalar_type(), scale.scalar_type()) != t.scalar_type()) {
+      split.aten_path.push_back(split.span_source[k]);
+    } else {
+      spans.push_back(split.spans[k]);
+      sources.push_back(split.span_source[k]);
+    }
+  }
+  split.spans = std::move(spans);
+  split.span_source = std::move(sources);
   const at::Tensor wide = scale.to(at::kDouble).contiguous();
   const double* values = wide.data_ptr<double>();
   std::vector<double> scales(count, scale.dim() == 0 ? values[0] : 0.0);
   if (scale.dim() == 1) {
     std::copy(values, values + count, scales.begin());
   }
-  apply_scales(tensors, split, scales);
+  apply_scales(tensors, split, scales, [&](int64_t i) { return scale.dim() == 0 ? scale : scale[i]; });
 }
 
 void multi_tensor_clamp_cpu(at::TensorList tensors, double min, double max) {
   constexpr const char* op = "torchclip.multi_tensor_clamp_";
   const Split split = split_tensors(tensors, op);
+  check_writable(tensors, split, op);
   for (int64_t i : split.aten_path) {
     TORCH_CHECK(!tensors[i].is_complex(), op, ": tensors[", i, "] has dtype ", tensors[i].scalar_type(),
         "; clamping is not defined for complex numbers");
@@ -200,6 +236,7 @@ void multi_tensor_clamp_cpu(at::TensorList tensors, double min, double max) {
 at::Tensor clip_grad_norm_cpu(at::TensorList grads, double max_norm, double norm_type, bool error_if_nonfinite) {
   constexpr const char* op = "torchclip.clip_grad_norm_";
   const Split split = split_tensors(grads, op);
+  check_writable(grads, split, op);
   const std::vector<double> norms = tensor_norms_wide(grads, split, norm_type, op);
   const double total = cpu::total_norm(norms.data(), static_cast<int64_t>(norms.size()), cpu::norm_order(norm_type));
   check_finite_total(total, norm_type, error_if_nonfinite);
@@ -213,6 +250,7 @@ at::Tensor clip_grad_norm_cpu(at::TensorList grads, double max_norm, double norm
 at::Tensor clip_by_tensor_norm_cpu(at::TensorList tensors, double max_norm) {
   constexpr const char* op = "torchclip.clip_by_tensor_norm_";
   const Split split = split_tensors(tensors, op);
+  check_writable(tensors, split, op);
   const std::vector<double> norms = tensor_norms_wide(tensors, split, 2.0, op);
   std::vector<double> scales(norms.size());
   for (size_t i = 0; i < norms.size(); ++i) {

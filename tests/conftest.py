@@ -1,0 +1,25 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torchclip  # noqa: E402
+
+
+@pytest.fixture(params=torchclip.cpu_capabilities())
+def cpu_capability(request):
+    """Runs the test once per compiled CPU kernel library this CPU can execute."""
+    before = torchclip.get_cpu_capability()
+    torchclip.set_cpu_capability(request.param)
+    yield request.param
+    torchclip.set_cpu_capability(before)
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)

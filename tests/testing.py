@@ -1,0 +1,97 @@
+"""Shared tables and oracles for the tests: the lists of cases live here, the tests pick from them."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+FAST_NORM_TYPES = [1.0, 2.0, math.inf]
+OTHER_NORM_TYPES = [0.0, -math.inf, 0.5, 3.0, -1.0, -2.5]
+NORM_TYPES = FAST_NORM_TYPES + OTHER_NORM_TYPES
+
+# Relative tolerance of a norm returned in this dtype against the float64 reference: the result's own
+# rounding (half an ulp) plus float64 accumulation error, which is negligible.
+NORM_RTOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+# Tolerance of a clipped gradient against torch's: torch's coefficient is computed in the norm's own
+# dtype from a less accurate norm, so the two may differ by about that dtype's accumulation error.
+CLIP_RTOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+
+SHAPES = [(), (0,), (1,), (7,), (16,), (33,), (3, 5), (64, 64), (4, 3, 5), (100003,), (2, 0, 3)]
+
+
+def make_tensor(shape, dtype, seed, scale=1.0, layout="contiguous"):
+    """A tensor of `shape` with N(0, scale^2) values, in one of several memory layouts."""
+    generator = torch.Generator().manual_seed(seed)
+    if layout == "contiguous" or (layout == "transposed" and len(shape) < 2):
+        return (torch.randn(shape, generator=generator, dtype=torch.float64) * scale).to(dtype)
+    if layout == "transposed":  # dense, permuted strides: the kernels walk it as one flat span
+        t = (torch.randn(tuple(reversed(shape)), generator=generator, dtype=torch.float64) * scale).to(dtype)
+        return t.permute(*reversed(range(t.dim())))
+    if layout == "strided":  # every other element: not dense, ATen's path
+        t = (torch.randn((*shape[:-1], 2 * shape[-1]) if shape else (2,), generator=generator,
+                         dtype=torch.float64) * scale).to(dtype)
+        return t[..., ::2] if shape else t[0]
+    if layout == "offset":  # a view starting inside its storage
+        t = (torch.randn(math.prod(shape) + 3, generator=generator, dtype=torch.float64) * scale).to(dtype)
+        return t[3:].view(shape)
+    raise ValueError(layout)
+
+
+LAYOUTS = ["contiguous", "transposed", "strided", "offset"]
+
+
+def make_params(specs, seed=0, scale=1.0, none_every=0):
+    """Parameters with gradients; specs is a list of (shape, dtype[, layout]). Every none_every-th
+    parameter (1-based) gets no gradient."""
+    params = []
+    for i, spec in enumerate(specs):
+        shape, dtype = spec[0], spec[1]
+        layout = spec[2] if len(spec) > 2 else "contiguous"
+        p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
+        if not (none_every and (i + 1) % none_every == 0):
+            p.grad = make_tensor(shape, dtype, seed + i, scale, layout)
+        params.append(p)
+    return params
+
+
+def clone_params(params):
+    """Copies of params and their gradients (for the oracle: values, not layouts, must match)."""
+    out = []
+    for p in params:
+        q = torch.nn.Parameter(p.detach().clone())
+        if p.grad is not None:
+            q.grad = p.grad.clone()
+        out.append(q)
+    return out
+
+
+def grads_of(params):
+    return [p.grad for p in params if p.grad is not None]
+
+
+def reference_norm(tensors, norm_type) -> float:
+    """torch's definition of the total norm, evaluated in float64 (and exact where float64 is)."""
+    if len(tensors) == 0:
+        return 0.0
+    norms = [torch.linalg.vector_norm(t.detach().to(torch.float64), norm_type) for t in tensors]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type).item()
+
+
+def assert_close_rel(actual: float, expected: float, rtol: float, what: str = ""):
+    if math.isnan(expected):
+        assert math.isnan(actual), f"{what}: expected nan, got {actual}"
+        return
+    if math.isinf(expected) or expected == 0.0:
+        assert actual == expected, f"{what}: expected {expected}, got {actual}"
+        return
+    rel = abs(actual - expected) / abs(expected)
+    assert rel <= rtol, f"{what}: {actual!r} vs {expected!r} (relative error {rel:.3g} > {rtol:.3g})"
+
+
+def assert_norm_close(total: torch.Tensor, reference: float, what: str = ""):
+    """`total` (in its dtype) against the float64 reference rounded to that dtype: a norm too large
+    for float16 is inf there, whatever the float64 value."""
+    expected = torch.tensor(reference, dtype=torch.float64).to(total.dtype).item()
+    assert_close_rel(total.item(), expected, NORM_RTOL[total.dtype], what)
