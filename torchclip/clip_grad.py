@@ -13,7 +13,9 @@ Where torchclip differs, on purpose, it is more accurate, never less:
   returns still has torch's dtype, so it reads inf there, as torch's does.
 * error_if_nonfinite raises when the gradients' norm is NaN or inf (a NaN or inf in them), not when a
   finite norm merely overflows a 16-bit result dtype.
-* clip_grad_value_ with every gradient None does nothing (torch raises an internal error).
+* clip_grad_value_ with every gradient None does nothing (torch raises an internal error), and a
+  clip_value beyond float16's range clamps float16 gradients as the maths says (torch raises "value
+  cannot be converted to type c10::Half without overflow").
 """
 
 from __future__ import annotations

@@ -1,0 +1,47 @@
+"""The benchmark command's structure (never its timings: this machine is shared and noisy)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from torchclip.bench import __main__ as bench
+from torchclip.bench import workloads
+
+JSON_FIELDS = {"op", "workload", "dtype", "threads", "torch_ms", "torchclip_ms", "bound_ms", "speedup",
+               "bound_ratio", "spread"}
+
+
+def test_quick_run_prints_a_table_and_writes_json(tmp_path):
+    out = tmp_path / "rows.json"
+    result = subprocess.run([sys.executable, "-m", "torchclip.bench", "--quick", "--workload", "mobilenet_v3_small",
+                             "--workload", "10000x100", "--rounds", "3", "--json", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[1].split()[:4] == ["workload", "dtype", "thr", "op"]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 * len(bench.OPS)
+    for row in rows:
+        assert JSON_FIELDS <= set(row)
+        assert row["torch_ms"] > 0 and row["torchclip_ms"] > 0 and row["bound_ms"] > 0
+    assert {r["workload"] for r in rows} == {"mobilenet_v3_small", "10000x100"}
+
+
+def test_every_shipped_workload_loads():
+    for name in workloads.names():
+        shapes = workloads.shapes(name)
+        assert shapes and all(isinstance(s, list) for s in shapes)
+    assert workloads.numel(workloads.shapes("gpt2_124m")) == 124439808
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workload", "nope"], "unknown; choose from"),
+    (["--dtype", "int8"], "--dtype 'int8': unknown"),
+    (["--threads", "0"], "expected a comma list of positive integers"),
+])
+def test_bad_arguments_are_named(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+    assert message in capsys.readouterr().err

@@ -1,0 +1,195 @@
+"""The torchclip ops themselves: opcheck, fakes, every compiled CPU path, rounding, determinism."""
+
+import math
+
+import pytest
+import torch
+from testing import DTYPES, NORM_RTOL, NORM_TYPES, assert_norm_close, make_tensor, reference_norm
+
+import torchclip
+from torchclip import _C, _ops
+
+SIZES = [0, 1, 15, 16, 17, 31, 64, 1000, 65536 + 3, 300001]
+
+
+def tensor_list(dtype, seed=0, scale=1.0):
+    return [make_tensor((n,), dtype, seed + i, scale) for i, n in enumerate(SIZES)]
+
+
+# ---- opcheck: schema, fake, autograd registration, and the dispatcher agree --------------------
+
+OPCHECK_CASES = {
+    "multi_tensor_norm": lambda: ((tensor_list(torch.float32)[1:5], 2.0, False),),
+    "multi_tensor_scale_": lambda: ((tensor_list(torch.float16)[:5], torch.tensor(0.5)),
+                                    (tensor_list(torch.float32)[:3], torch.tensor([0.5, 1.0, 2.0]))),
+    "multi_tensor_clamp_": lambda: ((tensor_list(torch.bfloat16)[:5], -0.5, 0.5),),
+    "clip_grad_norm_": lambda: ((tensor_list(torch.float32)[1:6], 0.1, 2.0, False),),
+    "clip_by_tensor_norm_": lambda: ((tensor_list(torch.float64)[1:6], 1.0),),
+}
+
+
+def test_every_op_has_an_opcheck_case():
+    registered = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("torchclip::")}
+    assert registered == set(OPCHECK_CASES), registered
+
+
+@pytest.mark.parametrize("name", sorted(OPCHECK_CASES))
+def test_opcheck(name):
+    op = getattr(torch.ops.torchclip, name).default
+    for args in OPCHECK_CASES[name]():
+        torch.library.opcheck(op, args)
+
+
+def test_fake_shapes_and_dtypes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        tensors = [torch.empty(3, dtype=torch.float16), torch.empty(4, 4, dtype=torch.bfloat16)]
+        total, per_tensor = torch.ops.torchclip.multi_tensor_norm(tensors, 2.0, False)
+        assert total.shape == () and total.dtype == torch.float32
+        assert per_tensor.shape == (2,) and per_tensor.dtype == torch.float64
+        assert torch.ops.torchclip.clip_grad_norm_(tensors, 1.0, 2.0, False).dtype == torch.float32
+
+
+# ---- the kernels: every compiled instruction set --------------------------------------------------
+
+
+def test_build_info():
+    assert _C.torch_version_built_against() == torch.__version__.split("+")[0]
+    assert "DEFAULT" in _C.cpu_capabilities_built()
+    assert isinstance(_C.cuda_built(), bool)
+    assert torchclip.get_cpu_capability() in torchclip.cpu_capabilities()
+
+
+def test_set_cpu_capability_rejects_unknown_names():
+    with pytest.raises(ValueError, match="capability must be one of"):
+        torchclip.set_cpu_capability("SSE9")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ord", NORM_TYPES)
+def test_per_tensor_norms(cpu_capability, dtype, ord):
+    tensors = tensor_list(dtype, scale=0.5)
+    if ord <= 0 or math.isinf(ord):
+        tensors = [t for t in tensors if t.numel() > 0]
+    total, per_tensor = _ops.multi_tensor_norm(tensors, ord)
+    for t, n in zip(tensors, per_tensor.tolist()):
+        expected = torch.linalg.vector_norm(t.double(), ord).item()
+        if math.isfinite(expected) and expected != 0:
+            assert abs(n - expected) <= 1e-12 * abs(expected) + 1e-300, (t.numel(), n, expected)
+        else:
+            assert n == expected or (math.isnan(n) and math.isnan(expected))
+    assert_norm_close(total, reference_norm(tensors, ord), f"{dtype} ord={ord}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("coefficient", [0.5, 1 / 3, 0.999999, 1e-30, 0.0, -2.0, math.nan])
+def test_scale_rounds_like_torch(cpu_capability, dtype, coefficient):
+    tensors = tensor_list(dtype)
+    expected = [t.clone() for t in tensors]
+    torch._foreach_mul_(expected, torch.tensor(coefficient))
+    _ops.multi_tensor_scale_(tensors, torch.tensor(coefficient))
+    for t, e in zip(tensors, expected):
+        assert torch.equal(t.nan_to_num(1.0), e.nan_to_num(1.0)) and torch.equal(t.isnan(), e.isnan())
+
+
+def test_scale_by_one_writes_nothing(cpu_capability):
+    # A signalling-free NaN payload would be rewritten by a write; equality of raw bits proves none.
+    t = torch.tensor([1.5, -0.0, math.inf, math.nan] * 20, dtype=torch.float32)
+    bits = t.view(torch.int32).clone()
+    _ops.multi_tensor_scale_([t], torch.tensor(1.0))
+    assert torch.equal(t.view(torch.int32), bits)
+
+
+def test_per_tensor_scales(cpu_capability):
+    tensors = tensor_list(torch.float32)[1:6]
+    scales = torch.tensor([0.5, 1.0, 2.0, -1.0, 0.25], dtype=torch.float64)
+    expected = [t * s.float() for t, s in zip(tensors, scales)]
+    _ops.multi_tensor_scale_(tensors, scales)
+    for t, e in zip(tensors, expected):
+        assert torch.equal(t, e)
+
+
+def test_scale_rejects_a_scale_of_the_wrong_shape():
+    tensors = tensor_list(torch.float32)[1:4]
+    before = [t.clone() for t in tensors]
+    with pytest.raises(RuntimeError, match=r"scale must be a 0-d tensor or a 1-d tensor with one entry per tensor \(3\)"):
+        _ops.multi_tensor_scale_(tensors, torch.ones(2))
+    assert all(torch.equal(t, b) for t, b in zip(tensors, before))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bounds", [(-0.5, 0.5), (0.0, 0.0), (-1e-3, 2.0), (0.3, -0.3), (-math.inf, 0.1), (-1e5, 1e5)])
+def test_clamp_is_bit_identical_to_torch(cpu_capability, dtype, bounds):
+    tensors = tensor_list(dtype)
+    tensors[4][3] = math.nan
+    tensors[5][0] = -math.inf
+    try:
+        expected = [t.clone().clamp_min_(bounds[0]).clamp_max_(bounds[1]) for t in tensors]
+    except RuntimeError as error:  # torch refuses a float16 bound beyond 65504; the maths does not
+        assert "without overflow" in str(error) and dtype == torch.float16
+        expected = [t.float().clamp_min_(bounds[0]).clamp_max_(bounds[1]).to(dtype) for t in tensors]
+    _ops.multi_tensor_clamp_(tensors, *bounds)
+    for t, e in zip(tensors, expected):
+        assert torch.equal(t.nan_to_num(7.0), e.nan_to_num(7.0)) and torch.equal(t.isnan(), e.isnan())
+
+
+def test_clamp_refuses_complex_before_any_change():
+    tensors = [torch.randn(10), torch.randn(4, dtype=torch.complex64)]
+    before = tensors[0].clone()
+    with pytest.raises(RuntimeError, match=r"tensors\[1\] has dtype ComplexFloat; clamping is not defined"):
+        _ops.multi_tensor_clamp_(tensors, -0.1, 0.1)
+    assert torch.equal(tensors[0], before)
+
+
+def test_complex_and_integer_tensors_take_atens_path():
+    tensors = [torch.randn(17, dtype=torch.complex64), torch.randn(5)]
+    total, _ = _ops.multi_tensor_norm(tensors, 2.0)
+    expected = torch.nn.utils.get_total_norm(tensors)
+    assert total.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(total, expected, rtol=1e-6, atol=0)
+    with pytest.raises(RuntimeError, match="floating point or complex"):
+        _ops.multi_tensor_norm([torch.arange(4)], 2.0)
+
+
+def test_neg_bit_views(cpu_capability):
+    base = torch.linspace(-1, 0.5, 50)
+    negated = torch._neg_view(base)
+    total, _ = _ops.multi_tensor_norm([negated], math.inf)
+    assert total.item() == 1.0
+    # The dispatcher refuses lazily negated tensors in a mutable list, before our kernel runs.
+    with pytest.raises(RuntimeError, match="negation"):
+        _ops.multi_tensor_clamp_([negated], -0.5, 0.2)
+    assert torch.equal(base, torch.linspace(-1, 0.5, 50))
+
+
+def test_clip_by_tensor_norm(cpu_capability):
+    tensors = [make_tensor((n,), torch.float32, i) for i, n in enumerate([3, 100, 1000])]
+    norms = [torch.linalg.vector_norm(t.double()).item() for t in tensors]
+    max_norm = sorted(norms)[1]
+    expected = [t.double() * (1.0 if n <= max_norm else max_norm / n) for t, n in zip(tensors, norms)]
+    returned = _ops.clip_by_tensor_norm_(tensors, max_norm)
+    assert returned.tolist() == pytest.approx(norms, rel=1e-12)
+    for t, e in zip(tensors, expected):
+        torch.testing.assert_close(t.double(), e, rtol=1e-6, atol=0)
+
+
+# ---- threads ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_norms_are_bit_identical_across_thread_counts(cpu_capability, dtype):
+    tensors = [make_tensor((n,), dtype, i) for i, n in enumerate([5, 70000, 3, 1 << 20, 999])]
+    results = []
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        total, per_tensor = _ops.multi_tensor_norm(tensors, 2.0)
+        results.append((total.item(), per_tensor.tolist()))
+    assert results[0] == results[1] == results[2]
+
+
+def test_one_huge_tensor_and_many_tiny_ones_agree_with_the_reference(cpu_capability):
+    tensors = [make_tensor((3_000_000,), torch.float32, 0)] + [make_tensor((7,), torch.float32, i) for i in range(3000)]
+    total, _ = _ops.multi_tensor_norm(tensors, 2.0)
+    assert_norm_close(total, reference_norm(tensors, 2.0), "huge + tiny")
+    assert NORM_RTOL  # the table the tolerance came from
