@@ -63,7 +63,7 @@ def extensions():
     exts = [
         CppExtension(
             "torchclip._C",
-            ["csrc/ops.cpp", "csrc/cpu/ops_cpu.cpp", "csrc/cpu/kernel_loader.cpp", "csrc/python_module.cpp"],
+            ["csrc/ops.cpp", "csrc/ops_autograd.cpp", "csrc/cpu/ops_cpu.cpp", "csrc/cpu/kernel_loader.cpp", "csrc/python_module.cpp"],
             include_dirs=[os.path.join(ROOT, "csrc")],
             define_macros=[("TORCHCLIP_CPU_CAPABILITIES", '"' + ",".join(isas) + '"')],
             extra_compile_args=common,

@@ -94,3 +94,12 @@ def test_accuracy_over_many_random_lists(cpu_capability):
         params = make_params([((1 + 37 * k,), torch.float32) for k in range(30)], seed=seed, scale=10.0 ** (seed % 7 - 3))
         grads = [p.grad for p in params]
         assert_norm_close(torchclip.get_total_norm(grads), reference_norm(grads, 2.0), f"seed {seed}")
+
+
+@pytest.mark.parametrize("value", [0.7, 1 / 3, 3.3e-5])
+def test_constant_values_round_the_same_way_every_time(cpu_capability, value):
+    # Adversarial for float32 block sums: every square rounds in the same direction.
+    t = torch.full((10_000_000,), value)
+    exact = t[0].double().item() * math.sqrt(t.numel())
+    _, per_tensor = _ops.multi_tensor_norm([t])
+    assert_close_rel(per_tensor.item(), exact, 1e-6, f"constant {value}")

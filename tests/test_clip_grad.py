@@ -102,7 +102,7 @@ def test_mixed_dtypes_in_one_call(cpu_capability):
     total = torchclip.clip_grad_norm_(ours, 0.25)
     expected = torch.nn.utils.clip_grad_norm_(theirs, 0.25)
     assert total.dtype == expected.dtype == torch.float64
-    assert_close_rel(total.item(), reference, 1e-12, "mixed")
+    assert_close_rel(total.item(), reference, NORM_RTOL[torch.float32], "mixed")
     # torch rounds each per-tensor norm to its tensor's dtype first (fp16: 1e-3 off), so the float64
     # formula is the oracle for the gradients; torch's are within that rounding.
     coefficient = min(0.25 / (reference + 1e-6), 1.0)
@@ -355,11 +355,12 @@ def test_hypothesis_clip_grad_norm(specs, norm_type, max_norm, scale, seed):
     ours = make_params(specs, seed=seed, scale=scale)
     theirs = clone_params(ours)
     reference = reference_norm(grads_of(theirs), norm_type)
+    inputs = grads_of(theirs)
     total = torchclip.clip_grad_norm_(ours, max_norm, norm_type)
     expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm, norm_type)
     assert total.dtype == expected.dtype
     if math.isfinite(expected.item()):
-        assert_norm_close(total, reference, "total norm")
+        assert_norm_close(total, reference, "total norm", inputs)
         rtol = max(CLIP_RTOL[p.grad.dtype] for p in ours if p.grad is not None)
         assert_grads_close(ours, theirs, rtol, atol=max(1e-6 * scale, 1.2e-7))  # 2 float16 subnormal ulps
 

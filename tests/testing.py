@@ -90,8 +90,12 @@ def assert_close_rel(actual: float, expected: float, rtol: float, what: str = ""
     assert rel <= rtol, f"{what}: {actual!r} vs {expected!r} (relative error {rel:.3g} > {rtol:.3g})"
 
 
-def assert_norm_close(total: torch.Tensor, reference: float, what: str = ""):
+def assert_norm_close(total: torch.Tensor, reference: float, what: str = "", inputs=None):
     """`total` (in its dtype) against the float64 reference rounded to that dtype: a norm too large
-    for float16 is inf there, whatever the float64 value."""
+    for float16 is inf there, whatever the float64 value. A float64 total of a list holding narrower
+    tensors is held to the narrow tensors' guarantee (1e-6: squares summed in float32 blocks)."""
     expected = torch.tensor(reference, dtype=torch.float64).to(total.dtype).item()
-    assert_close_rel(total.item(), expected, NORM_RTOL[total.dtype], what)
+    rtol = NORM_RTOL[total.dtype]
+    if inputs is not None and any(t.dtype != torch.float64 for t in inputs):
+        rtol = max(rtol, NORM_RTOL[torch.float32])
+    assert_close_rel(total.item(), expected, rtol, what)

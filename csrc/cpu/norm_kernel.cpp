@@ -1,12 +1,19 @@
 // Per-tensor p-norms of many tensors in one pass over the data (compiled once per instruction set).
 //
-// Accuracy: every input dtype is accumulated in float64. For 16/32-bit inputs that is overflow- and
-// underflow-free by construction (the largest float32 squared is 1.2e77, the smallest subnormal
-// squared is 2e-90, both well inside float64), and pairing 8-lane accumulators keeps the rounding
-// error near 1e-16 * sqrt(n): the 50M-element fp32 case lands ~1e-13 from the fp64 reference where
-// float32 accumulation is off by 0.4%. float64 inputs whose largest magnitude is outside
-// [2^-480, 2^480] are summed again scaled by a power of two, as LAPACK's dnrm2 does, so their norm
-// is right whenever it is representable.
+// Accuracy: every input dtype is accumulated in float64, so a float32 norm is overflow- and
+// underflow-free (the largest float32 squared is 1.2e77, the smallest subnormal squared 2e-90, both
+// well inside float64) and its rounding error does not grow with n: the 50M-element fp32 case lands
+// ~1e-9 from the fp64 reference where torch's float32 accumulation is off by 0.4%.
+//
+// Speed: widening every element to float64 costs ~40% on cache-resident data (measured on ResNet-50
+// shapes, 102 MB, one core: 10.7 ms against 7.5 ms for float32 squares). So p = 2 on 16/32-bit data
+// squares and sums in float32 within blocks of 64 vectors, where each accumulator lane adds only 16
+// squares (relative error < 2e-6 on the block, < 1e-6 on the norm, typically 1e-8), and widens each
+// block's lanes to float64. A block whose float32 sums could have overflowed (inf), underflowed
+// (largest lane below 2^-80, zero included) or met a NaN is summed again in float64 from its data.
+//
+// float64 inputs whose largest magnitude is outside [2^-480, 2^480] are summed again scaled by a
+// power of two, as LAPACK's dnrm2 does, so their norm is right whenever it is representable.
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -114,6 +121,48 @@ Partial reduce_narrow(const T* x, int64_t n) {
   return out;
 }
 
+// p = 2 over float16 / bfloat16 / float32: float32 squares within blocks, float64 across them.
+//
+// The data is read as four interleaved streams (the four quarters of the span, in lockstep): more
+// independent memory streams keep more cache-line requests in flight, worth ~20% on cache-resident
+// data (25M floats, one core: 5.1 ms for one stream, 4.1 ms for four).
+template <typename T>
+Partial sum_squares_blocked(const T* x, int64_t n) {
+  constexpr int64_t kStreams = 4;
+  constexpr int64_t kStreamBlock = 16 * kBlock;  // per stream: each accumulator lane adds 16 squares
+  constexpr float kTiny = 0x1p-80f;
+  constexpr float kLargest = 3.4028234663852886e+38f;
+  const int64_t quarter = n / kStreams / kStreamBlock * kStreamBlock;
+  f64v widened{};
+  double redone = 0.0;
+  for (int64_t start = 0; start < quarter; start += kStreamBlock) {
+    f32v a0{}, a1{}, a2{}, a3{};
+    for (int64_t i = start; i < start + kStreamBlock; i += kBlock) {
+      f32v v0 = load_f32(x + i), v1 = load_f32(x + quarter + i);
+      f32v v2 = load_f32(x + 2 * quarter + i), v3 = load_f32(x + 3 * quarter + i);
+      a0 += v0 * v0;
+      a1 += v1 * v1;
+      a2 += v2 * v2;
+      a3 += v3 * v3;
+    }
+    const f32v block = (a0 + a1) + (a2 + a3);
+    // Every lane finite (a NaN fails the <=) and the largest not tiny: the float32 sums are exact to
+    // float32 rounding. Otherwise these blocks' squares take the float64 route.
+    const bool trusted = !any_lane(!(block <= splat<f32v>(kLargest))) && horizontal_max(block) >= kTiny;
+    if (trusted) {
+      widened += low_half_to_f64(block) + high_half_to_f64(block);
+    } else {
+      for (int64_t s = 0; s < kStreams; ++s) {
+        redone += reduce_narrow<NormKind::Two>(x + s * quarter + start, kStreamBlock).sum;
+      }
+    }
+  }
+  Partial out;
+  const int64_t done = kStreams * quarter;
+  out.sum = horizontal_sum(widened) + redone + reduce_narrow<NormKind::Two>(x + done, n - done).sum;
+  return out;
+}
+
 // p in {1, 2, inf} over float64.
 template <NormKind kKind>
 Partial reduce_double(const double* x, int64_t n) {
@@ -198,7 +247,7 @@ Partial reduce_span(const T* x, int64_t n, NormOrder order) {
       if constexpr (std::is_same_v<T, double>) {
         return reduce_double<NormKind::Two>(x, n);
       } else {
-        return reduce_narrow<NormKind::Two>(x, n);
+        return sum_squares_blocked(x, n);
       }
     case NormKind::Inf:
       if constexpr (std::is_same_v<T, double>) {

@@ -58,7 +58,7 @@ Split split_tensors(at::TensorList tensors, const char* op) {
         "; the CPU kernel takes CPU tensors only");
     TORCH_CHECK(t.layout() == at::kStrided, op, ": tensors[", i, "] has layout ", t.layout(),
         "; only strided tensors are supported here");
-    split.promoted = i == 0 ? t.scalar_type() : at::promote_types(split.promoted, t.scalar_type());
+    split.promoted = i == 0 ? t.scalar_type() : c10::promoteTypes(split.promoted, t.scalar_type());
     const auto dtype = kernel_dtype(t.scalar_type());
     // A lazily negated view (neg bit) holds -x in memory as x: only ATen knows to flip it.
     if (dtype && t.is_non_overlapping_and_dense() && !t.is_neg()) {
