@@ -15,9 +15,12 @@ TORCH_LIBRARY(torchclip, m) {
   m.def("multi_tensor_scale_(Tensor(a!)[] tensors, Tensor scale) -> ()");
   // tensors[i].clamp_(min, max) in one pass: the composition clamp_min_(min) then clamp_max_(max).
   m.def("multi_tensor_clamp_(Tensor(a!)[] tensors, float min, float max) -> ()");
-  // torch.nn.utils.clip_grad_norm_ on gradient tensors: the total norm, then every gradient scaled by
-  // min(max_norm / (total_norm + 1e-6), 1) computed from the float64 norm; returns the total norm.
-  m.def("clip_grad_norm_(Tensor(a!)[] grads, float max_norm, float norm_type, bool error_if_nonfinite) -> Tensor");
+  // Clipping by the total norm, for torch.nn.utils.clip_grad_norm_ (eps = 1e-6) and Paddle's
+  // ClipGradByGlobalNorm (eps = 0: clip_norm / max(global_norm, clip_norm) is the same number): every
+  // tensor scaled by min(max_norm / (total_norm + eps), 1) computed from the float64 norm. Returns the
+  // total norm in torch's result dtype, or in at least float32 with norm_at_least_float32 (Paddle's).
+  m.def("clip_grad_norm_(Tensor(a!)[] grads, float max_norm, float norm_type, bool error_if_nonfinite, "
+        "float eps=1e-06, bool norm_at_least_float32=False) -> Tensor");
   // Each tensor scaled by max_norm / its own 2-norm where that norm exceeds max_norm (Paddle's
   // ClipGradByNorm); returns the per-tensor norms before clipping (float64).
   m.def("clip_by_tensor_norm_(Tensor(a!)[] tensors, float max_norm) -> Tensor");

@@ -58,13 +58,16 @@ void multi_tensor_clamp_autograd(c10::DispatchKeySet ks, at::TensorList tensors,
   bump_versions(tensors);
 }
 
-at::Tensor clip_grad_norm_autograd(c10::DispatchKeySet ks, at::TensorList grads, double max_norm, double norm_type, bool error_if_nonfinite) {
-  static const auto op = op_handle<at::Tensor(at::TensorList, double, double, bool)>("torchclip::clip_grad_norm_");
+at::Tensor clip_grad_norm_autograd(c10::DispatchKeySet ks, at::TensorList grads, double max_norm, double norm_type,
+    bool error_if_nonfinite, double eps, bool norm_at_least_float32) {
+  static const auto op =
+      op_handle<at::Tensor(at::TensorList, double, double, bool, double, bool)>("torchclip::clip_grad_norm_");
   check_not_differentiated(grads, "torchclip.clip_grad_norm_");
   at::Tensor total;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    total = op.redispatch(ks & c10::after_ADInplaceOrView_keyset, grads, max_norm, norm_type, error_if_nonfinite);
+    total = op.redispatch(ks & c10::after_ADInplaceOrView_keyset, grads, max_norm, norm_type, error_if_nonfinite, eps,
+        norm_at_least_float32);
   }
   bump_versions(grads);
   return total;

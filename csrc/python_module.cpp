@@ -74,7 +74,8 @@ py::object total_norm_of_plain_cpu(py::handle tensors, double norm_type, bool er
 // clip_grad_norm_: the total norm after clipping, or None (general path, or no gradients at all).
 py::object clip_grad_norm_of_plain_cpu(py::handle parameters, double max_norm, double norm_type,
     bool error_if_nonfinite) {
-  static const auto op = torchclip_op<at::Tensor(at::TensorList, double, double, bool)>("torchclip::clip_grad_norm_");
+  static const auto op =
+      torchclip_op<at::Tensor(at::TensorList, double, double, bool, double, bool)>("torchclip::clip_grad_norm_");
   std::vector<at::Tensor> grads;
   if (!collect_plain_cpu(parameters, true, grads) || grads.empty()) {
     return py::none();
@@ -82,7 +83,7 @@ py::object clip_grad_norm_of_plain_cpu(py::handle parameters, double max_norm, d
   at::Tensor total;
   {
     py::gil_scoped_release no_gil;
-    total = op.call(grads, max_norm, norm_type, error_if_nonfinite);
+    total = op.call(grads, max_norm, norm_type, error_if_nonfinite, /*eps=*/1e-6, /*norm_at_least_float32=*/false);
   }
   return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(total)));
 }

@@ -141,15 +141,25 @@ def _multi_tensor_clamp_fake(tensors, min, max):
 
 
 def clip_grad_norm_tensors_(
-    grads: Sequence[torch.Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool
+    grads: Sequence[torch.Tensor],
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+    eps: float = 1e-6,
+    norm_at_least_float32: bool = False,
 ) -> torch.Tensor:
     """Norm and scale of a non-empty gradient list in one call; returns the total norm."""
-    return _ops.clip_grad_norm_(grads, float(max_norm), float(norm_type), bool(error_if_nonfinite))
+    return _ops.clip_grad_norm_(
+        grads, float(max_norm), float(norm_type), bool(error_if_nonfinite), float(eps), bool(norm_at_least_float32)
+    )
 
 
 @torch.library.register_fake("torchclip::clip_grad_norm_")
-def _clip_grad_norm_fake(grads, max_norm, norm_type, error_if_nonfinite):
-    return grads[0].new_empty((), dtype=_total_norm_dtype(grads))
+def _clip_grad_norm_fake(grads, max_norm, norm_type, error_if_nonfinite, eps=1e-6, norm_at_least_float32=False):
+    dtype = _total_norm_dtype(grads)
+    if norm_at_least_float32:
+        dtype = torch.promote_types(dtype, torch.float32)
+    return grads[0].new_empty((), dtype=dtype)
 
 
 def clip_by_tensor_norm_(tensors: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:

@@ -233,18 +233,23 @@ void multi_tensor_clamp_cpu(at::TensorList tensors, double min, double max) {
   }
 }
 
-at::Tensor clip_grad_norm_cpu(at::TensorList grads, double max_norm, double norm_type, bool error_if_nonfinite) {
+at::Tensor clip_grad_norm_cpu(at::TensorList grads, double max_norm, double norm_type, bool error_if_nonfinite,
+    double eps, bool norm_at_least_float32) {
   constexpr const char* op = "torchclip.clip_grad_norm_";
   const Split split = split_tensors(grads, op);
   check_writable(grads, split, op);
   const std::vector<double> norms = tensor_norms_wide(grads, split, norm_type, op);
   const double total = cpu::total_norm(norms.data(), static_cast<int64_t>(norms.size()), cpu::norm_order(norm_type));
   check_finite_total(total, norm_type, error_if_nonfinite);
-  // torch's coefficient, max_norm / (total_norm + 1e-6) clamped to at most 1, but from the float64 norm.
-  // std::min keeps a NaN coefficient NaN, as torch.clamp does.
-  const double coefficient = std::min(max_norm * (1.0 / (total + 1e-6)), 1.0);
+  // torch's coefficient, max_norm / (total_norm + eps) clamped to at most 1, but from the float64 norm.
+  // std::min keeps a NaN coefficient NaN, as torch.clamp does; a zero norm with eps = 0 gives 1.
+  const double coefficient = std::min(max_norm * (1.0 / (total + eps)), 1.0);
   apply_scales(grads, split, std::vector<double>(grads.size(), coefficient));
-  return scalar_in_dtype(total, grads.empty() ? at::kFloat : total_norm_dtype(split));
+  at::ScalarType dtype = grads.empty() ? at::kFloat : total_norm_dtype(split);
+  if (norm_at_least_float32) {
+    dtype = c10::promoteTypes(dtype, at::kFloat);
+  }
+  return scalar_in_dtype(total, dtype);
 }
 
 at::Tensor clip_by_tensor_norm_cpu(at::TensorList tensors, double max_norm) {

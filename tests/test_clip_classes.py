@@ -1,0 +1,199 @@
+"""The Paddle-style classes against Paddle's documented formulas, computed independently in float64."""
+
+import math
+
+import pytest
+import torch
+from testing import CLIP_RTOL, DTYPES, make_params
+
+import torchclip
+from torchclip import (
+    ClipGradByGlobalNorm,
+    ClipGradByNorm,
+    ClipGradByValue,
+    GradientClipByGlobalNorm,
+    GradientClipByNorm,
+    GradientClipByValue,
+)
+
+SHAPES = [(7,), (3, 5), (64, 64), (1000,), (), (2, 3, 4)]
+
+
+def params_of(dtype, scale=0.3, seed=0, none_every=0):
+    return make_params([(s, dtype) for s in SHAPES], seed=seed, scale=scale, none_every=none_every)
+
+
+def f64_grads(params):
+    return [None if p.grad is None else p.grad.double().clone() for p in params]
+
+
+def paddle_global_norm_reference(grads64, clip_norm):
+    global_norm = math.sqrt(sum(float((g * g).sum()) for g in grads64 if g is not None))
+    return [None if g is None else g * (clip_norm / max(global_norm, clip_norm)) for g in grads64], global_norm
+
+
+def paddle_norm_reference(grads64, clip_norm):
+    out = []
+    for g in grads64:
+        if g is None:
+            out.append(None)
+            continue
+        norm = float(torch.linalg.vector_norm(g))
+        out.append(g if norm <= clip_norm else g * (clip_norm / norm))
+    return out
+
+
+def assert_matches(params, expected, rtol):
+    for p, e in zip(params, expected):
+        if e is None:
+            assert p.grad is None
+        else:
+            torch.testing.assert_close(p.grad.double(), e, rtol=rtol, atol=1e-7)
+
+
+# ---- formulas ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("clip_norm", [0.05, 1.0, 100.0])
+def test_global_norm_formula(cpu_capability, dtype, clip_norm):
+    params = params_of(dtype, none_every=4)
+    expected, global_norm = paddle_global_norm_reference(f64_grads(params), clip_norm)
+    clip = ClipGradByGlobalNorm(clip_norm)
+    assert clip(params) is None
+    assert_matches(params, expected, CLIP_RTOL[dtype])
+    assert clip.last_global_norm.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert clip.last_global_norm.item() == pytest.approx(global_norm, rel=1e-6)
+
+
+@pytest.mark.parametrize("auto_skip_clip", [False, True])
+def test_global_norm_below_clip_norm_leaves_gradients_untouched(auto_skip_clip):
+    params = params_of(torch.float32, scale=1e-3)
+    before = [p.grad.clone() for p in params]
+    ClipGradByGlobalNorm(10.0, auto_skip_clip=auto_skip_clip)(params)
+    assert all(torch.equal(p.grad, b) for p, b in zip(params, before))
+
+
+def test_global_norm_mixed_dtypes_accumulates_wide_and_scales_in_each_dtype():
+    specs = [((300,), torch.float16), ((40, 3), torch.bfloat16), ((100,), torch.float32)]
+    params = make_params(specs, scale=50.0)  # fp16 squares: 50^2 * 300 ~ 7.5e5, beyond float16
+    expected, global_norm = paddle_global_norm_reference(f64_grads(params), 1.0)
+    clip = ClipGradByGlobalNorm(1.0)
+    clip(params)
+    assert clip.last_global_norm.dtype == torch.float32
+    assert clip.last_global_norm.item() == pytest.approx(global_norm, rel=1e-6)
+    for p, e in zip(params, expected):
+        assert p.grad.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        torch.testing.assert_close(p.grad.double(), e, rtol=CLIP_RTOL[p.grad.dtype], atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_per_tensor_norm_formula(cpu_capability, dtype):
+    params = params_of(dtype, none_every=3)
+    grads64 = f64_grads(params)
+    norms = sorted(float(torch.linalg.vector_norm(g)) for g in grads64 if g is not None)
+    clip_norm = norms[len(norms) // 2]  # some tensors above, some at or below
+    clip = ClipGradByNorm(clip_norm)
+    clip(params)
+    assert_matches(params, paddle_norm_reference(grads64, clip_norm), CLIP_RTOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bounds", [(0.1, None), (0.5, -0.2), (0.0, -1.0)])
+def test_value_formula(cpu_capability, dtype, bounds):
+    params = params_of(dtype)
+    maximum, minimum = bounds
+    lo = -maximum if minimum is None else minimum
+    opmath = torch.float64 if dtype == torch.float64 else torch.float32
+    expected = [p.grad.to(opmath).clamp(lo, maximum).to(dtype).double() for p in params]
+    ClipGradByValue(maximum, minimum)(params)
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.grad.double(), e, rtol=0, atol=0)
+
+
+# ---- call forms and need_clip -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("clip", [ClipGradByGlobalNorm(0.1), ClipGradByNorm(0.1), ClipGradByValue(0.01)])
+def test_pairs_form_returns_pairs_without_none_grads(clip):
+    params = params_of(torch.float32, none_every=2)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p, t in zip(params, twins):
+        t.grad = None if p.grad is None else p.grad.clone()
+    pairs = clip([(p, p.grad) for p in params])
+    assert [p for p, _ in pairs] == [p for p in params if p.grad is not None]
+    assert all(g is p.grad for p, g in pairs)  # clipped in place: the same tensors
+    clip(twins)  # the parameter form gives the same values
+    for (p, g), t in zip(pairs, [t for t in twins if t.grad is not None]):
+        assert torch.equal(g, t.grad)
+
+
+@pytest.mark.parametrize("make_clip", [lambda: ClipGradByGlobalNorm(0.01), lambda: ClipGradByNorm(0.01),
+                                       lambda: ClipGradByValue(0.001)])
+def test_need_clip_false_is_neither_clipped_nor_counted(make_clip):
+    params = params_of(torch.float32)
+    torchclip.set_need_clip(params[1], False)
+    torchclip.set_need_clip(params[3:5], False)
+    excluded_before = {i: params[i].grad.clone() for i in (1, 3, 4)}
+    included = [p for i, p in enumerate(params) if i not in excluded_before]
+    expected_global, _ = paddle_global_norm_reference(f64_grads(included), 0.01)
+    clip = make_clip()
+    clip(params)
+    for i, before in excluded_before.items():
+        assert torch.equal(params[i].grad, before)
+    if isinstance(clip, ClipGradByGlobalNorm):  # the global norm counts only the included ones
+        assert_matches(included, expected_global, CLIP_RTOL[torch.float32])
+
+
+def test_legacy_need_clip_predicate_and_attribute_both_exclude():
+    params = params_of(torch.float32)
+    torchclip.set_need_clip(params[0], False)
+    clip = GradientClipByGlobalNorm(0.01, need_clip=lambda p: p.dim() != 2)
+    before = [p.grad.clone() for p in params]
+    clip(params)
+    for p, b in zip(params, before):
+        untouched = p is params[0] or p.dim() == 2
+        assert torch.equal(p.grad, b) == untouched
+
+
+def test_legacy_classes_match_the_new_ones():
+    for legacy, modern in [(GradientClipByValue(0.1, -0.05), ClipGradByValue(0.1, -0.05)),
+                           (GradientClipByNorm(0.2), ClipGradByNorm(0.2)),
+                           (GradientClipByGlobalNorm(0.2, "g"), ClipGradByGlobalNorm(0.2, "g"))]:
+        a, b = params_of(torch.float32), params_of(torch.float32)
+        legacy(a)
+        modern(b)
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(a, b))
+
+
+def test_exclude_from_clipping_marks_biases_and_norm_layers():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2, bias=False))
+    assert torchclip.exclude_from_clipping(model) == 3  # linear bias, layernorm weight and bias
+    assert [getattr(p, "need_clip", True) for p in model.parameters()] == [True, False, False, False, True]
+
+
+# ---- bad arguments -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("factory, error, message", [
+    (lambda: ClipGradByGlobalNorm(0.0), ValueError, "clip_norm must be a finite number > 0, got 0.0"),
+    (lambda: ClipGradByGlobalNorm(-1.0), ValueError, "clip_norm must be a finite number > 0, got -1.0"),
+    (lambda: ClipGradByGlobalNorm(math.inf), ValueError, "clip_norm must be a finite number > 0, got inf"),
+    (lambda: ClipGradByGlobalNorm(math.nan), ValueError, "clip_norm must be a finite number > 0, got nan"),
+    (lambda: ClipGradByGlobalNorm("x"), TypeError, "clip_norm must be a number, got 'x'"),
+    (lambda: ClipGradByGlobalNorm(1.0, group_name=3), TypeError, "group_name must be a str, got 3"),
+    (lambda: ClipGradByGlobalNorm(1.0, auto_skip_clip=1), TypeError, "auto_skip_clip must be a bool, got 1"),
+    (lambda: ClipGradByNorm(0), ValueError, "clip_norm must be a finite number > 0, got 0"),
+    (lambda: ClipGradByValue(0.0), ValueError, "max must be > 0 when min is None, got max=0.0"),
+    (lambda: ClipGradByValue(-1.0), ValueError, "max must be > 0 when min is None, got max=-1.0"),
+    (lambda: ClipGradByValue(1.0, 2.0), ValueError, "min must be <= max, got min=2.0, max=1.0"),
+    (lambda: ClipGradByValue(math.nan, 0.0), ValueError, "bounds must not be NaN"),
+    (lambda: GradientClipByNorm(1.0, need_clip=True), TypeError, "need_clip must be a function"),
+    (lambda: GradientClipByGlobalNorm(1.0, need_clip="all"), TypeError, "need_clip must be a function"),
+    (lambda: GradientClipByValue(1.0, need_clip=3), TypeError, "need_clip must be a function"),
+    (lambda: torchclip.set_need_clip([torch.zeros(1), "w"], False), TypeError, "item 1 is str"),
+    (lambda: torchclip.set_need_clip(torch.nn.Linear(2, 2), 0), TypeError, "need_clip must be a bool, got 0"),
+])
+def test_bad_arguments_name_the_argument_and_value(factory, error, message):
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        factory()

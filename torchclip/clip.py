@@ -1,0 +1,340 @@
+"""Paddle-style gradient clipping classes on torchclip's kernels.
+
+Paddle's documentation is the specification (paddle.nn.ClipGradByValue / ClipGradByNorm /
+ClipGradByGlobalNorm, the fluid-era GradientClipBy* names with a `need_clip` predicate, ParamAttr's
+need_clip, set_gradient_clip). Where Paddle and torch differ, each API keeps its own:
+
+* ClipGradByGlobalNorm scales by clip_norm / max(global_norm, clip_norm): no epsilon, unlike
+  torch.nn.utils.clip_grad_norm_'s max_norm / (total_norm + 1e-6).
+* A gradient is "clipped" by ClipGradByNorm only when its norm is strictly above clip_norm.
+* The global norm is accumulated in float64 for every dtype (Paddle sums float16/bfloat16 squares in
+  half precision) and kept, for logging, in float32, or float64 when a gradient is float64 (Paddle's
+  rule); the scale is applied in each gradient's own dtype.
+
+Both call forms work. `clip(params_grads)` takes (param, grad) pairs, as Paddle's optimizers pass
+them, and returns the pairs whose grad is not None (dropped, as in Paddle); `clip(parameters)` clips
+each `.grad`. Either way the gradients are clipped in place (Paddle returns new tensors holding the
+same values): the fused kernels write where the data is. `clip.last_global_norm` (ClipGradByGlobalNorm)
+holds the last call's norm as a tensor on the gradients' device: logging it needs no host sync.
+
+need_clip: a parameter whose `need_clip` attribute is False (set it with `set_need_clip`) is neither
+clipped nor counted in the global norm, as Paddle's ParamAttr(need_clip=False). The legacy classes'
+`need_clip` predicate excludes too: a parameter is clipped only when its attribute (default True) and
+the predicate (default: all) both allow it, so either one can exclude it.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import Tensor
+
+from torchclip import _ops
+
+__all__ = [
+    "ClipGradBase",
+    "ClipGradByValue",
+    "ClipGradByNorm",
+    "ClipGradByGlobalNorm",
+    "GradientClipByValue",
+    "GradientClipByNorm",
+    "GradientClipByGlobalNorm",
+    "set_need_clip",
+    "exclude_from_clipping",
+    "set_gradient_clip",
+    "gradient_clip_of",
+]
+
+
+def _positive_finite(name: str, value) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {value!r}") from None
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return number
+
+
+def _plain_cpu(grads: list[Tensor]) -> bool:
+    return all(
+        g.is_cpu
+        and g.layout == torch.strided
+        and (torch.compiler.is_compiling() or type(g) in (Tensor, torch.nn.Parameter))
+        for g in grads
+    )
+
+
+class ClipGradBase:
+    """What every clip shares: choosing the gradients to clip and the two call forms."""
+
+    _need_clip_predicate: Callable[[Tensor], bool] | None = None
+
+    def _wants(self, param) -> bool:
+        if getattr(param, "need_clip", True) is False:
+            return False
+        return self._need_clip_predicate is None or bool(self._need_clip_predicate(param))
+
+    def __call__(self, params_grads):
+        """clip(pairs) -> clipped pairs (grad None dropped); clip(parameters) -> None."""
+        if isinstance(params_grads, Tensor):
+            params_grads = [params_grads]
+        items = list(params_grads)
+        if items and isinstance(items[0], (tuple, list)):
+            pairs = [(p, g) for p, g in items if g is not None]
+            self._clip([g for p, g in pairs if self._wants(p)])
+            return pairs
+        self._clip([p.grad for p in items if p.grad is not None and self._wants(p)])
+        return None
+
+    def _clip(self, grads: list[Tensor]) -> None:
+        raise NotImplementedError  # each subclass defines its rule
+
+
+class ClipGradByValue(ClipGradBase):
+    """Clamp every gradient element to [min, max] (Paddle's paddle.nn.ClipGradByValue).
+
+    min=None means min = -max, and then max must be > 0; min > max is an error. NaN stays NaN.
+    """
+
+    def __init__(self, max: float, min: float | None = None):
+        upper = float(max)
+        if min is None:
+            if not upper > 0:
+                raise ValueError(f"ClipGradByValue: max must be > 0 when min is None, got max={max!r}")
+            lower = -upper
+        else:
+            lower = float(min)
+            if lower > upper:
+                raise ValueError(f"ClipGradByValue: min must be <= max, got min={min!r}, max={max!r}")
+        if math.isnan(lower) or math.isnan(upper):
+            raise ValueError(f"ClipGradByValue: bounds must not be NaN, got min={lower!r}, max={upper!r}")
+        self.min, self.max = lower, upper
+
+    def _clip(self, grads):
+        if not grads:
+            return
+        if _plain_cpu(grads):
+            _ops.multi_tensor_clamp_(grads, self.min, self.max)
+        else:
+            for g in grads:
+                g.clamp_(self.min, self.max)
+
+    def __repr__(self):
+        return f"{type(self).__name__}(min={self.min}, max={self.max})"
+
+
+class ClipGradByNorm(ClipGradBase):
+    """Clip each gradient by its own L2 norm (Paddle's paddle.nn.ClipGradByNorm).
+
+    A gradient whose norm is <= clip_norm is unchanged; otherwise it is multiplied by clip_norm / norm.
+    `last_norms` holds the last call's per-gradient norms (float64, before clipping).
+    """
+
+    def __init__(self, clip_norm: float):
+        self.clip_norm = _positive_finite("clip_norm", clip_norm)
+        self.last_norms: Tensor | None = None
+
+    def _clip(self, grads):
+        if not grads:
+            return
+        if _plain_cpu(grads):
+            self.last_norms = _ops.clip_by_tensor_norm_(grads, self.clip_norm)
+            return
+        norms = []
+        for g in grads:
+            norm = torch.linalg.vector_norm(g, 2.0, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
+            g.mul_(torch.where(norm > self.clip_norm, self.clip_norm / norm, torch.ones_like(norm)).to(g.dtype))
+            norms.append(norm.double())
+        self.last_norms = torch.stack(norms)
+
+    def __repr__(self):
+        return f"{type(self).__name__}(clip_norm={self.clip_norm})"
+
+
+class ClipGradByGlobalNorm(ClipGradBase):
+    """Scale every gradient by clip_norm / max(global_norm, clip_norm) (paddle.nn.ClipGradByGlobalNorm).
+
+    global_norm is the L2 norm of all clipped gradients together. With auto_skip_clip=True Paddle
+    leaves the gradients untouched when global_norm <= clip_norm; the CPU kernel does so in every case
+    (the scale is exactly 1 there and it skips the write pass), so the flag changes no result here.
+    Clips sharing a group_name, attached to different parameter groups of one optimizer or set with
+    set_gradient_clip, compute one global norm together and must share clip_norm (as in Paddle).
+    """
+
+    def __init__(self, clip_norm: float, group_name: str = "default_group", auto_skip_clip: bool = False):
+        self.clip_norm = _positive_finite("clip_norm", clip_norm)
+        if not isinstance(group_name, str):
+            raise TypeError(f"group_name must be a str, got {group_name!r}")
+        if not isinstance(auto_skip_clip, bool):
+            raise TypeError(f"auto_skip_clip must be a bool, got {auto_skip_clip!r}")
+        self.group_name = group_name
+        self.auto_skip_clip = auto_skip_clip
+        self.last_global_norm: Tensor | None = None
+
+    def _clip(self, grads):
+        if not grads:
+            return
+        if _plain_cpu(grads):
+            # Paddle's formula is torch's with eps = 0: min(clip_norm / global_norm, 1).
+            self.last_global_norm = _ops.clip_grad_norm_tensors_(
+                grads, self.clip_norm, 2.0, False, eps=0.0, norm_at_least_float32=True
+            )
+            return
+        wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+        device = grads[0].device
+        norms = [torch.linalg.vector_norm(g, 2.0, dtype=wide).to(device) for g in grads]
+        global_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        scale = self.clip_norm / torch.clamp(global_norm, min=self.clip_norm)
+        for g in grads:
+            g.mul_(scale.to(g.device, g.dtype))
+        self.last_global_norm = global_norm
+
+    def __repr__(self):
+        return f"{type(self).__name__}(clip_norm={self.clip_norm}, group_name={self.group_name!r})"
+
+
+# ---- the fluid-era names, with a need_clip predicate ------------------------------------------------
+
+
+def _predicate(need_clip):
+    if need_clip is not None and not callable(need_clip):
+        raise TypeError(
+            f"need_clip must be a function taking a parameter and returning True (clip it) or False, "
+            f"got {need_clip!r}"
+        )
+    return need_clip
+
+
+class GradientClipByValue(ClipGradByValue):
+    """fluid.clip.GradientClipByValue: ClipGradByValue plus a need_clip(param) -> bool predicate."""
+
+    def __init__(self, max: float, min: float | None = None, need_clip: Callable[[Tensor], bool] | None = None):
+        super().__init__(max, min)
+        self._need_clip_predicate = _predicate(need_clip)
+
+
+class GradientClipByNorm(ClipGradByNorm):
+    """fluid.clip.GradientClipByNorm: ClipGradByNorm plus a need_clip(param) -> bool predicate."""
+
+    def __init__(self, clip_norm: float, need_clip: Callable[[Tensor], bool] | None = None):
+        super().__init__(clip_norm)
+        self._need_clip_predicate = _predicate(need_clip)
+
+
+class GradientClipByGlobalNorm(ClipGradByGlobalNorm):
+    """fluid.clip.GradientClipByGlobalNorm: ClipGradByGlobalNorm plus a need_clip predicate."""
+
+    def __init__(self, clip_norm: float, group_name: str = "default_group",
+                 need_clip: Callable[[Tensor], bool] | None = None):
+        super().__init__(clip_norm, group_name)
+        self._need_clip_predicate = _predicate(need_clip)
+
+
+# ---- need_clip marks ----------------------------------------------------------------------------
+
+
+def _parameters_of(target) -> list[Tensor]:
+    if isinstance(target, torch.nn.Module):
+        return list(target.parameters())
+    if isinstance(target, Tensor):
+        return [target]
+    params = list(target)
+    for i, p in enumerate(params):
+        if not isinstance(p, Tensor):
+            raise TypeError(f"expected parameters (tensors), but item {i} is {type(p).__name__}")
+    return params
+
+
+def set_need_clip(target, need_clip: bool) -> int:
+    """Mark parameters (a module's, an iterable's, or one) as clipped or not, as Paddle's
+    ParamAttr(need_clip=...). Returns how many were marked."""
+    if not isinstance(need_clip, bool):
+        raise TypeError(f"need_clip must be a bool, got {need_clip!r}")
+    params = _parameters_of(target)
+    for p in params:
+        p.need_clip = need_clip
+    return len(params)
+
+
+_NORM_LAYERS = (torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm,
+                torch.nn.LocalResponseNorm, torch.nn.RMSNorm)
+
+
+def exclude_from_clipping(module: torch.nn.Module, *, biases: bool = True, norm_layers: bool = True) -> int:
+    """Set need_clip = False on every bias and/or every parameter of a normalisation layer of
+    `module` (a common choice for weight decay and clipping alike). Returns how many were marked."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    marked = set()
+    for _, sub in module.named_modules():
+        for name, p in sub.named_parameters(recurse=False):
+            if (norm_layers and isinstance(sub, _NORM_LAYERS)) or (biases and name == "bias"):
+                marked.add(p)
+    for p in marked:
+        p.need_clip = False
+    return len(marked)
+
+
+# ---- set_gradient_clip ----------------------------------------------------------------------------
+
+# The clip for parameters that have none of their own, when set_gradient_clip got no parameters.
+_default_clip: ClipGradBase | None = None
+
+
+def set_gradient_clip(clip: ClipGradBase, param_list=None, program: torch.nn.Module | None = None) -> None:
+    """Set a default clip for parameters (Paddle's fluid.clip.set_gradient_clip).
+
+    param_list: parameters, or their names resolved in `program` (the nn.Module that owns them, since
+    torch has no global program); None means all of `program`'s parameters, or, with no program,
+    every parameter an optimizer hook meets. ClipGradByGlobalNorm clips set this way that share a
+    group_name compute one global norm and must share clip_norm (Paddle's rule: a ValueError at the
+    step otherwise). An optimizer's own grad_clip takes precedence, with a warning (Paddle's fourth
+    example). clip=None clears the defaults set for those parameters.
+    """
+    global _default_clip
+    if clip is not None and not isinstance(clip, ClipGradBase):  # noqa: SIM102
+        raise TypeError(f"clip must be a ClipGradBase instance (e.g. ClipGradByGlobalNorm), got {clip!r}")
+    if program is not None and not isinstance(program, torch.nn.Module):
+        raise TypeError(f"program must be the torch.nn.Module owning the parameters, got {type(program).__name__}")
+    if param_list is None:
+        if program is None:
+            _default_clip = clip
+            return
+        params = list(program.parameters())
+    else:
+        params = _resolve_params(list(param_list), program)
+    for p in params:
+        p.gradient_clip_attr = clip
+
+
+def _resolve_params(items: list, program) -> list[Tensor]:
+    if all(isinstance(i, str) for i in items):
+        if program is None:
+            raise ValueError("set_gradient_clip: parameter names need `program`, the nn.Module that owns them")
+        named = dict(program.named_parameters())
+        unknown = [name for name in items if name not in named]
+        if unknown:
+            raise ValueError(f"set_gradient_clip: no parameter named {unknown} in {type(program).__name__} "
+                             f"(it has {sorted(named)[:8]}{'...' if len(named) > 8 else ''})")
+        return [named[name] for name in items]
+    if all(isinstance(i, Tensor) for i in items):
+        return items
+    raise TypeError("set_gradient_clip: param_list must be a list of parameters or a list of parameter names")
+
+
+def gradient_clip_of(param) -> ClipGradBase | None:
+    """The clip set_gradient_clip gave `param` (or the global default), None if neither."""
+    return getattr(param, "gradient_clip_attr", None) or _default_clip
+
+
+def _warn_both_set():
+    warnings.warn(
+        "set_gradient_clip is ignored for parameters whose optimizer has its own grad_clip: the "
+        "optimizer's grad_clip takes precedence (as in Paddle)",
+        UserWarning,
+        stacklevel=4,
+    )
