@@ -20,11 +20,33 @@ namespace {
 // filter reads it twice: 1.1 ms for 10,000 parameters), and passing a 10,000-tensor list through
 // torch.ops costs ~0.5 ms more; both exceed what the kernels spend on 10,000 x 100 floats.
 //
-// Collects `items` (a list or tuple) themselves, or with take_grad their defined .grad, into `out`.
+// Paddle's ParamAttr(need_clip=False), as torchclip marks it: a `need_clip` attribute that is False.
+// Looked up without raising AttributeError for the (usual) parameters that have none.
+bool need_clip(PyObject* param) {
+  static PyObject* const name = PyUnicode_InternFromString("need_clip");
+  PyObject* value = nullptr;
+#if PY_VERSION_HEX >= 0x030D0000
+  const int found = PyObject_GetOptionalAttr(param, name, &value);
+#else
+  const int found = _PyObject_LookupAttr(param, name, &value);
+#endif
+  if (found < 0) {
+    throw py::error_already_set();
+  }
+  if (found == 0) {
+    return true;
+  }
+  const bool excluded = value == Py_False;
+  Py_DECREF(value);
+  return !excluded;
+}
+
+// Collects `items` (a list or tuple) themselves, or with take_grad their defined .grad, into `out`;
+// with honor_need_clip, items whose need_clip attribute is False are left out.
 // Returns false, and the caller takes the general Python path, unless every item is a plain
 // torch.Tensor / nn.Parameter (a subclass may give .grad another meaning) and every collected tensor
 // a strided CPU tensor without a Python dispatch key (no tensor subclass, fake or functional tensor).
-bool collect_plain_cpu(py::handle items, bool take_grad, std::vector<at::Tensor>& out) {
+bool collect_plain_cpu(py::handle items, bool take_grad, bool honor_need_clip, std::vector<at::Tensor>& out) {
   PyObject* seq = items.ptr();
   if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
     return false;
@@ -38,7 +60,7 @@ bool collect_plain_cpu(py::handle items, bool take_grad, std::vector<at::Tensor>
     }
     const at::Tensor& item = THPVariable_Unpack(elements[i]);
     const at::Tensor& tensor = take_grad ? item.grad() : item;
-    if (!tensor.defined()) {
+    if (!tensor.defined() || (honor_need_clip && !need_clip(elements[i]))) {
       continue;
     }
     if (!tensor.device().is_cpu() || tensor.layout() != at::kStrided ||
@@ -60,7 +82,7 @@ py::object total_norm_of_plain_cpu(py::handle tensors, double norm_type, bool er
   static const auto op = torchclip_op<std::tuple<at::Tensor, at::Tensor>(at::TensorList, double, bool)>(
       "torchclip::multi_tensor_norm");
   std::vector<at::Tensor> list;
-  if (!collect_plain_cpu(tensors, false, list) || list.empty()) {
+  if (!collect_plain_cpu(tensors, false, false, list) || list.empty()) {
     return py::none();
   }
   at::Tensor total;
@@ -71,33 +93,49 @@ py::object total_norm_of_plain_cpu(py::handle tensors, double norm_type, bool er
   return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(total)));
 }
 
-// clip_grad_norm_: the total norm after clipping, or None (general path, or no gradients at all).
+// clip_grad_norm_ and ClipGradByGlobalNorm: the total norm, or None (general path, or no gradients).
 py::object clip_grad_norm_of_plain_cpu(py::handle parameters, double max_norm, double norm_type,
-    bool error_if_nonfinite) {
+    bool error_if_nonfinite, double eps, bool norm_at_least_float32, bool honor_need_clip) {
   static const auto op =
       torchclip_op<at::Tensor(at::TensorList, double, double, bool, double, bool)>("torchclip::clip_grad_norm_");
   std::vector<at::Tensor> grads;
-  if (!collect_plain_cpu(parameters, true, grads) || grads.empty()) {
+  if (!collect_plain_cpu(parameters, true, honor_need_clip, grads) || grads.empty()) {
     return py::none();
   }
   at::Tensor total;
   {
     py::gil_scoped_release no_gil;
-    total = op.call(grads, max_norm, norm_type, error_if_nonfinite, /*eps=*/1e-6, /*norm_at_least_float32=*/false);
+    total = op.call(grads, max_norm, norm_type, error_if_nonfinite, eps, norm_at_least_float32);
   }
   return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(total)));
 }
 
-// clip_grad_value_: True when done here (including "no gradients"), False for the general path.
-bool clip_grad_value_of_plain_cpu(py::handle parameters, double clip_value) {
+// ClipGradByNorm: the per-tensor norms, or None (general path, or no gradients).
+py::object clip_by_tensor_norm_of_plain_cpu(py::handle parameters, double max_norm, bool honor_need_clip) {
+  static const auto op = torchclip_op<at::Tensor(at::TensorList, double)>("torchclip::clip_by_tensor_norm_");
+  std::vector<at::Tensor> grads;
+  if (!collect_plain_cpu(parameters, true, honor_need_clip, grads) || grads.empty()) {
+    return py::none();
+  }
+  at::Tensor norms;
+  {
+    py::gil_scoped_release no_gil;
+    norms = op.call(grads, max_norm);
+  }
+  return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(norms)));
+}
+
+// clip_grad_value_ and ClipGradByValue: True when done here (including "no gradients"), False for
+// the general path.
+bool clamp_grads_of_plain_cpu(py::handle parameters, double min, double max, bool honor_need_clip) {
   static const auto op = torchclip_op<void(at::TensorList, double, double)>("torchclip::multi_tensor_clamp_");
   std::vector<at::Tensor> grads;
-  if (!collect_plain_cpu(parameters, true, grads)) {
+  if (!collect_plain_cpu(parameters, true, honor_need_clip, grads)) {
     return false;
   }
   if (!grads.empty()) {
     py::gil_scoped_release no_gil;
-    op.call(grads, -clip_value, clip_value);
+    op.call(grads, min, max);
   }
   return true;
 }
@@ -134,7 +172,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("total_norm_of_plain_cpu", &total_norm_of_plain_cpu, py::arg("tensors"), py::arg("norm_type"),
       py::arg("error_if_nonfinite"));
   m.def("clip_grad_norm_of_plain_cpu", &clip_grad_norm_of_plain_cpu, py::arg("parameters"), py::arg("max_norm"),
-      py::arg("norm_type"), py::arg("error_if_nonfinite"));
-  m.def("clip_grad_value_of_plain_cpu", &clip_grad_value_of_plain_cpu, py::arg("parameters"),
-      py::arg("clip_value"));
+      py::arg("norm_type"), py::arg("error_if_nonfinite"), py::arg("eps") = 1e-6,
+      py::arg("norm_at_least_float32") = false, py::arg("honor_need_clip") = false);
+  m.def("clip_by_tensor_norm_of_plain_cpu", &clip_by_tensor_norm_of_plain_cpu, py::arg("parameters"),
+      py::arg("max_norm"), py::arg("honor_need_clip"));
+  m.def("clamp_grads_of_plain_cpu", &clamp_grads_of_plain_cpu, py::arg("parameters"), py::arg("min"),
+      py::arg("max"), py::arg("honor_need_clip") = false);
 }

@@ -197,3 +197,23 @@ def test_exclude_from_clipping_marks_biases_and_norm_layers():
 def test_bad_arguments_name_the_argument_and_value(factory, error, message):
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
         factory()
+
+
+class SubclassedGrad(torch.Tensor):
+    """A tensor subclass: the classes must take their general (torch-op) path for it."""
+
+
+@pytest.mark.parametrize("make_clip", [lambda: ClipGradByGlobalNorm(0.05), lambda: ClipGradByNorm(0.05),
+                                       lambda: ClipGradByValue(0.01, -0.02)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_general_path_agrees_with_the_kernels(make_clip, dtype):
+    plain = params_of(dtype)
+    other = params_of(dtype)
+    for p in other:
+        p.grad = p.grad.as_subclass(SubclassedGrad)
+    make_clip()(plain)
+    make_clip()(other)
+    for p, q in zip(plain, other):
+        assert type(q.grad) is SubclassedGrad
+        torch.testing.assert_close(q.grad.as_subclass(torch.Tensor).double(), p.grad.double(),
+                                   rtol=CLIP_RTOL[dtype], atol=1e-6)

@@ -172,10 +172,20 @@ def _clip_by_tensor_norm_fake(tensors, max_norm):
     return tensors[0].new_empty((len(tensors),), dtype=torch.float64)
 
 
+def all_plain_cpu(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the CPU ops serve all these tensors: strided, on CPU, and no tensor subclass (whose
+    arithmetic may mean something else). The Python twin of the C++ walk below, for the paths it
+    does not take; under torch.compile dynamo sees plain tensors."""
+    if torch.compiler.is_compiling():
+        return all(t.is_cpu and t.layout == torch.strided for t in tensors)
+    return all(t.is_cpu and t.layout == torch.strided and type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+
+
 # ---- eager fast paths (csrc/python_module.cpp) ----------------------------------------------------
 # The parameter walk in C++ and the same ops through the C++ dispatcher. Each returns None (False for
-# the value clip) when some item is not a plain strided CPU tensor; the caller then takes the general
+# the clamp) when some item is not a plain strided CPU tensor; the caller then takes the general
 # path. Dynamo cannot trace them: under torch.compile the callers use the op wrappers above.
 total_norm_of_plain_cpu = _C.total_norm_of_plain_cpu
 clip_grad_norm_of_plain_cpu = _C.clip_grad_norm_of_plain_cpu
-clip_grad_value_of_plain_cpu = _C.clip_grad_value_of_plain_cpu
+clip_by_tensor_norm_of_plain_cpu = _C.clip_by_tensor_norm_of_plain_cpu
+clamp_grads_of_plain_cpu = _C.clamp_grads_of_plain_cpu

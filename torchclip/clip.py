@@ -59,22 +59,13 @@ def _positive_finite(name: str, value) -> float:
     return number
 
 
-def _plain_cpu(grads: list[Tensor]) -> bool:
-    return all(
-        g.is_cpu
-        and g.layout == torch.strided
-        and (torch.compiler.is_compiling() or type(g) in (Tensor, torch.nn.Parameter))
-        for g in grads
-    )
-
-
 class ClipGradBase:
     """What every clip shares: choosing the gradients to clip and the two call forms."""
 
     _need_clip_predicate: Callable[[Tensor], bool] | None = None
 
     def _wants(self, param) -> bool:
-        if getattr(param, "need_clip", True) is False:
+        if getattr(param, "need_clip", True) is False:  # the same test as the C++ walk's
             return False
         return self._need_clip_predicate is None or bool(self._need_clip_predicate(param))
 
@@ -82,13 +73,22 @@ class ClipGradBase:
         """clip(pairs) -> clipped pairs (grad None dropped); clip(parameters) -> None."""
         if isinstance(params_grads, Tensor):
             params_grads = [params_grads]
-        items = list(params_grads)
+        items = params_grads if isinstance(params_grads, (list, tuple)) else list(params_grads)
         if items and isinstance(items[0], (tuple, list)):
             pairs = [(p, g) for p, g in items if g is not None]
             self._clip([g for p, g in pairs if self._wants(p)])
             return pairs
+        # The eager fast path walks the parameters (and their need_clip marks) in C++; a need_clip
+        # predicate is Python, so it takes the Python walk.
+        if self._need_clip_predicate is None and not torch.compiler.is_compiling() and self._clip_parameters(items):
+            return None
         self._clip([p.grad for p in items if p.grad is not None and self._wants(p)])
         return None
+
+    def _clip_parameters(self, params: list) -> bool:
+        """Clip the marked-for-clipping gradients of plain CPU parameters in one C++ call; False when
+        some parameter needs the general path."""
+        raise NotImplementedError  # each subclass calls its op
 
     def _clip(self, grads: list[Tensor]) -> None:
         raise NotImplementedError  # each subclass defines its rule
@@ -114,10 +114,13 @@ class ClipGradByValue(ClipGradBase):
             raise ValueError(f"ClipGradByValue: bounds must not be NaN, got min={lower!r}, max={upper!r}")
         self.min, self.max = lower, upper
 
+    def _clip_parameters(self, params):
+        return _ops.clamp_grads_of_plain_cpu(params, self.min, self.max, honor_need_clip=True)
+
     def _clip(self, grads):
         if not grads:
             return
-        if _plain_cpu(grads):
+        if _ops.all_plain_cpu(grads):
             _ops.multi_tensor_clamp_(grads, self.min, self.max)
         else:
             for g in grads:
@@ -138,10 +141,16 @@ class ClipGradByNorm(ClipGradBase):
         self.clip_norm = _positive_finite("clip_norm", clip_norm)
         self.last_norms: Tensor | None = None
 
+    def _clip_parameters(self, params):
+        norms = _ops.clip_by_tensor_norm_of_plain_cpu(params, self.clip_norm, honor_need_clip=True)
+        if norms is not None:
+            self.last_norms = norms
+        return norms is not None
+
     def _clip(self, grads):
         if not grads:
             return
-        if _plain_cpu(grads):
+        if _ops.all_plain_cpu(grads):
             self.last_norms = _ops.clip_by_tensor_norm_(grads, self.clip_norm)
             return
         norms = []
@@ -175,11 +184,18 @@ class ClipGradByGlobalNorm(ClipGradBase):
         self.auto_skip_clip = auto_skip_clip
         self.last_global_norm: Tensor | None = None
 
+    def _clip_parameters(self, params):
+        # Paddle's formula is torch's with eps = 0: min(clip_norm / global_norm, 1).
+        norm = _ops.clip_grad_norm_of_plain_cpu(params, self.clip_norm, 2.0, False, eps=0.0,
+                                                norm_at_least_float32=True, honor_need_clip=True)
+        if norm is not None:
+            self.last_global_norm = norm
+        return norm is not None
+
     def _clip(self, grads):
         if not grads:
             return
-        if _plain_cpu(grads):
-            # Paddle's formula is torch's with eps = 0: min(clip_norm / global_norm, 1).
+        if _ops.all_plain_cpu(grads):
             self.last_global_norm = _ops.clip_grad_norm_tensors_(
                 grads, self.clip_norm, 2.0, False, eps=0.0, norm_at_least_float32=True
             )

@@ -44,16 +44,6 @@ def _as_list(tensors: _tensor_or_tensors) -> list[Tensor]:
     return [tensors] if isinstance(tensors, Tensor) else list(tensors)
 
 
-def _is_plain_cpu(tensor: Tensor) -> bool:
-    """Whether the CPU kernels serve this tensor: strided, on CPU, and not a tensor subclass (whose
-    arithmetic may mean something else; under torch.compile dynamo sees plain tensors)."""
-    return (
-        tensor.is_cpu
-        and tensor.layout == torch.strided
-        and (torch.compiler.is_compiling() or type(tensor) in (Tensor, torch.nn.Parameter))
-    )
-
-
 def _grads(parameters: list) -> list[Tensor]:
     return [p.grad for p in parameters if p.grad is not None]
 
@@ -80,7 +70,7 @@ def get_total_norm(
         total_norm = _ops.total_norm_of_plain_cpu(tensors, norm_type, error_if_nonfinite)
         if total_norm is not None:
             return total_norm
-    elif all(_is_plain_cpu(t) for t in tensors):
+    elif _ops.all_plain_cpu(tensors):
         total_norm, _ = _ops.multi_tensor_norm(tensors, norm_type, error_if_nonfinite)
         return total_norm
     return _torch_get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
@@ -101,7 +91,7 @@ def clip_grads_with_norm_(
     """
     parameters = _as_list(parameters)
     grads = _grads(parameters)
-    if not all(_is_plain_cpu(g) for g in grads):
+    if not _ops.all_plain_cpu(grads):
         return _torch_clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
     max_norm = float(max_norm)
     if len(grads) == 0:
@@ -143,7 +133,7 @@ def clip_grad_norm_(
         if total_norm is not None:
             return total_norm
     grads = _grads(parameters)
-    if grads and all(_is_plain_cpu(g) for g in grads):
+    if grads and _ops.all_plain_cpu(grads):
         return _ops.clip_grad_norm_tensors_(grads, float(max_norm), float(norm_type), error_if_nonfinite)
     # Other devices, subclasses, sparse gradients, or none at all: torch's composition.
     total_norm = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
@@ -180,12 +170,12 @@ def clip_grad_value_(
     """
     parameters = _as_list(parameters)
     clip_value = float(clip_value)
-    if not torch.compiler.is_compiling() and _ops.clip_grad_value_of_plain_cpu(parameters, clip_value):
+    if not torch.compiler.is_compiling() and _ops.clamp_grads_of_plain_cpu(parameters, -clip_value, clip_value):
         return None
     grads = _grads(parameters)
     if not grads:
         return None
-    if all(_is_plain_cpu(g) for g in grads):
+    if _ops.all_plain_cpu(grads):
         _ops.multi_tensor_clamp_(grads, -clip_value, clip_value)
         return None
     return _torch_clip_grad_value_(parameters, clip_value, foreach)

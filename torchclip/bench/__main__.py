@@ -31,7 +31,8 @@ from torchclip.bench import workloads
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_WORKLOADS = ["gpt2_124m", "resnet50", "2000x64x64", "10000x100"]
 QUICK_WORKLOADS = ["mobilenet_v3_small", "2000x64x64", "10000x100"]
-OPS = ["clip_grad_norm_ (no clip)", "clip_grad_norm_ (clip)", "get_total_norm", "clip_grad_value_"]
+OPS = ["clip_grad_norm_ (no clip)", "clip_grad_norm_ (clip)", "get_total_norm", "clip_grad_value_",
+       "ClipGradByGlobalNorm (clip)", "ClipGradByNorm", "ClipGradByValue"]
 
 
 @dataclass
@@ -130,6 +131,45 @@ def candidates_for(op, g: Grads):
             lambda: torch.nn.utils.clip_grad_value_(params, 0.5),
             lambda: torchclip.clip_grad_value_(params, 0.5),
             lambda: flat.clamp_(-0.5, 0.5),
+            2,
+        )
+    if op == "ClipGradByGlobalNorm (clip)":
+        # torch has no class: its equivalent is clip_grad_norm_ (the formulas differ only by eps).
+        state = {"max_norm": float(torchclip.get_total_norm(grads).double())}
+        clip = torchclip.ClipGradByGlobalNorm(state["max_norm"])
+
+        def next_max_norm():
+            state["max_norm"] *= 0.9999
+            return state["max_norm"]
+
+        def paddle_style():
+            clip.clip_norm = next_max_norm()
+            clip(params)
+
+        return (
+            lambda: torch.nn.utils.clip_grad_norm_(params, next_max_norm()),
+            paddle_style,
+            lambda: (flat.sum(), flat.mul_(1.0)),
+            3,
+        )
+    if op == "ClipGradByNorm":
+        # In torch, per-tensor norm clipping is clip_grad_norm_ called once per tensor. The clip norm
+        # is the median tensor norm: about half the tensors are clipped on the first call.
+        norms = sorted(torchclip.get_total_norm(g).item() for g in grads)
+        clip_norm = norms[len(norms) // 2] or 1.0
+        clip = torchclip.ClipGradByNorm(clip_norm)
+        return (
+            lambda: [torch.nn.utils.clip_grad_norm_(p, clip_norm) for p in params],
+            lambda: clip(params),
+            lambda: flat.sum(),
+            1,
+        )
+    if op == "ClipGradByValue":
+        clip = torchclip.ClipGradByValue(0.5, -0.25)
+        return (
+            lambda: (torch._foreach_clamp_min_(grads, -0.25), torch._foreach_clamp_max_(grads, 0.5)),
+            lambda: clip(params),
+            lambda: flat.clamp_(-0.25, 0.5),
             2,
         )
     raise ValueError(op)
