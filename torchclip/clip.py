@@ -156,7 +156,8 @@ class ClipGradByNorm(ClipGradBase):
         norms = []
         for g in grads:
             norm = torch.linalg.vector_norm(g, 2.0, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
-            g.mul_(torch.where(norm > self.clip_norm, self.clip_norm / norm, torch.ones_like(norm)).to(g.dtype))
+            # As the kernel: unchanged only when norm <= clip_norm, so a NaN norm propagates.
+            g.mul_(torch.where(norm <= self.clip_norm, torch.ones_like(norm), self.clip_norm / norm).to(g.dtype))
             norms.append(norm.double())
         self.last_norms = torch.stack(norms)
 
@@ -170,8 +171,9 @@ class ClipGradByGlobalNorm(ClipGradBase):
     global_norm is the L2 norm of all clipped gradients together. With auto_skip_clip=True Paddle
     leaves the gradients untouched when global_norm <= clip_norm; the CPU kernel does so in every case
     (the scale is exactly 1 there and it skips the write pass), so the flag changes no result here.
-    Clips sharing a group_name, attached to different parameter groups of one optimizer or set with
-    set_gradient_clip, compute one global norm together and must share clip_norm (as in Paddle).
+    On an optimizer, one clip object computes one global norm over every parameter it serves; clips
+    given by set_gradient_clip that share a group_name compute one global norm together and must
+    share clip_norm (Paddle's rule).
     """
 
     def __init__(self, clip_norm: float, group_name: str = "default_group", auto_skip_clip: bool = False):
