@@ -9,14 +9,15 @@ import pytest
 from torchclip.bench import __main__ as bench
 from torchclip.bench import workloads
 
-JSON_FIELDS = {"op", "workload", "dtype", "threads", "torch_ms", "torchclip_ms", "bound_ms", "speedup",
-               "bound_ratio", "spread"}
+JSON_FIELDS = {"op", "workload", "dtype", "threads", "torch_ms", "torch_no_foreach_ms", "torchclip_ms", "bound_ms",
+               "speedup", "bound_ratio", "spread"}
 
 
 def test_quick_run_prints_a_table_and_writes_json(tmp_path):
     out = tmp_path / "rows.json"
     result = subprocess.run([sys.executable, "-m", "torchclip.bench", "--quick", "--workload", "mobilenet_v3_small",
-                             "--workload", "10000x100", "--rounds", "3", "--json", str(out)],
+                             "--workload", "10000x100", "--rounds", "3", "--json", str(out),
+                             "--plot", str(tmp_path / "plot.png"), "--markdown", str(tmp_path / "RESULTS.md")],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -27,6 +28,14 @@ def test_quick_run_prints_a_table_and_writes_json(tmp_path):
         assert JSON_FIELDS <= set(row)
         assert row["torch_ms"] > 0 and row["torchclip_ms"] > 0 and row["bound_ms"] > 0
     assert {r["workload"] for r in rows} == {"mobilenet_v3_small", "10000x100"}
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = (tmp_path / "RESULTS.md").read_text()
+    assert "![speed-up and fraction of the bound](plot.png)" in page and "clip_grad_norm_ (no clip)" in page
+
+
+def test_model_workload_is_built_on_the_meta_device():
+    label, shapes = workloads.resolve("model:torch.nn:Transformer")
+    assert label == "Transformer" and len(shapes) > 100
 
 
 def test_every_shipped_workload_loads():
@@ -40,6 +49,8 @@ def test_every_shipped_workload_loads():
     (["--workload", "nope"], "unknown; choose from"),
     (["--dtype", "int8"], "--dtype 'int8': unknown"),
     (["--threads", "0"], "expected a comma list of positive integers"),
+    (["--model", "torch.nn"], "expected module:callable"),
+    (["--model", "no_such_module:f"], "cannot import it"),
 ])
 def test_bad_arguments_are_named(argv, message, capsys):
     with pytest.raises(SystemExit):

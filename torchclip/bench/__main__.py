@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -26,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import torchclip
-from torchclip.bench import workloads
+from torchclip.bench import report, workloads
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_WORKLOADS = ["gpt2_124m", "resnet50", "2000x64x64", "10000x100"]
@@ -44,6 +45,7 @@ class Row:
     tensors: int
     elements: int
     torch_ms: float
+    torch_no_foreach_ms: float
     torchclip_ms: float
     bound_ms: float
     speedup: float
@@ -97,112 +99,110 @@ def interleave(candidates, rounds, warmup):
     return out
 
 
-def candidates_for(op, g: Grads):
+@dataclass
+class Candidates:
+    """What one row times: torch (default foreach), torch with foreach=False where torch has the
+    switch, torchclip, and the bound; `passes` is how many times the op moves the bytes."""
+
+    torch: object
+    torch_no_foreach: object
+    torchclip: object
+    bound: object
+    passes: int
+
+
+def shrinking_max_norm(grads):
+    """max_norm for "clip" rows: 0.9999 x the norm the previous call left, so every call writes."""
+    state = {"max_norm": float(torchclip.get_total_norm(grads).double())}
+
+    def next_max_norm():
+        state["max_norm"] *= 0.9999
+        return state["max_norm"]
+
+    return next_max_norm
+
+
+def candidates_for(op, g: Grads) -> Candidates:
     flat, params, grads = g.flat, g.params, g.grads
+    norm_bound = lambda: flat.sum()  # noqa: E731
+    norm_scale_bound = lambda: (flat.sum(), flat.mul_(1.0))  # noqa: E731
     if op == "clip_grad_norm_ (no clip)":
-        return (
-            lambda: torch.nn.utils.clip_grad_norm_(params, 1e30),
-            lambda: torchclip.clip_grad_norm_(params, 1e30),
-            lambda: flat.sum(),
-            1,
-        )
+        return Candidates(lambda: torch.nn.utils.clip_grad_norm_(params, 1e30),
+                          lambda: torch.nn.utils.clip_grad_norm_(params, 1e30, foreach=False),
+                          lambda: torchclip.clip_grad_norm_(params, 1e30), norm_bound, 1)
     if op == "clip_grad_norm_ (clip)":
-        state = {"max_norm": float(torchclip.get_total_norm(grads).double())}
-
-        def next_max_norm():
-            state["max_norm"] *= 0.9999
-            return state["max_norm"]
-
-        return (
-            lambda: torch.nn.utils.clip_grad_norm_(params, next_max_norm()),
-            lambda: torchclip.clip_grad_norm_(params, next_max_norm()),
-            lambda: (flat.sum(), flat.mul_(1.0)),
-            3,
-        )
+        next_max_norm = shrinking_max_norm(grads)
+        return Candidates(lambda: torch.nn.utils.clip_grad_norm_(params, next_max_norm()),
+                          lambda: torch.nn.utils.clip_grad_norm_(params, next_max_norm(), foreach=False),
+                          lambda: torchclip.clip_grad_norm_(params, next_max_norm()), norm_scale_bound, 3)
     if op == "get_total_norm":
-        return (
-            lambda: torch.nn.utils.get_total_norm(grads),
-            lambda: torchclip.get_total_norm(grads),
-            lambda: flat.sum(),
-            1,
-        )
+        return Candidates(lambda: torch.nn.utils.get_total_norm(grads),
+                          lambda: torch.nn.utils.get_total_norm(grads, foreach=False),
+                          lambda: torchclip.get_total_norm(grads), norm_bound, 1)
     if op == "clip_grad_value_":
-        return (
-            lambda: torch.nn.utils.clip_grad_value_(params, 0.5),
-            lambda: torchclip.clip_grad_value_(params, 0.5),
-            lambda: flat.clamp_(-0.5, 0.5),
-            2,
-        )
+        return Candidates(lambda: torch.nn.utils.clip_grad_value_(params, 0.5),
+                          lambda: torch.nn.utils.clip_grad_value_(params, 0.5, foreach=False),
+                          lambda: torchclip.clip_grad_value_(params, 0.5), lambda: flat.clamp_(-0.5, 0.5), 2)
     if op == "ClipGradByGlobalNorm (clip)":
         # torch has no class: its equivalent is clip_grad_norm_ (the formulas differ only by eps).
-        state = {"max_norm": float(torchclip.get_total_norm(grads).double())}
-        clip = torchclip.ClipGradByGlobalNorm(state["max_norm"])
-
-        def next_max_norm():
-            state["max_norm"] *= 0.9999
-            return state["max_norm"]
+        next_max_norm = shrinking_max_norm(grads)
+        clip = torchclip.ClipGradByGlobalNorm(1.0)
 
         def paddle_style():
             clip.clip_norm = next_max_norm()
             clip(params)
 
-        return (
-            lambda: torch.nn.utils.clip_grad_norm_(params, next_max_norm()),
-            paddle_style,
-            lambda: (flat.sum(), flat.mul_(1.0)),
-            3,
-        )
+        return Candidates(lambda: torch.nn.utils.clip_grad_norm_(params, next_max_norm()),
+                          lambda: torch.nn.utils.clip_grad_norm_(params, next_max_norm(), foreach=False),
+                          paddle_style, norm_scale_bound, 3)
     if op == "ClipGradByNorm":
         # In torch, per-tensor norm clipping is clip_grad_norm_ called once per tensor. The clip norm
         # is the median tensor norm: about half the tensors are clipped on the first call.
         norms = sorted(torchclip.get_total_norm(g).item() for g in grads)
         clip_norm = norms[len(norms) // 2] or 1.0
         clip = torchclip.ClipGradByNorm(clip_norm)
-        return (
-            lambda: [torch.nn.utils.clip_grad_norm_(p, clip_norm) for p in params],
-            lambda: clip(params),
-            lambda: flat.sum(),
-            1,
-        )
+        return Candidates(lambda: [torch.nn.utils.clip_grad_norm_(p, clip_norm) for p in params],
+                          lambda: [torch.nn.utils.clip_grad_norm_(p, clip_norm, foreach=False) for p in params],
+                          lambda: clip(params), norm_bound, 1)
     if op == "ClipGradByValue":
         clip = torchclip.ClipGradByValue(0.5, -0.25)
-        return (
-            lambda: (torch._foreach_clamp_min_(grads, -0.25), torch._foreach_clamp_max_(grads, 0.5)),
-            lambda: clip(params),
-            lambda: flat.clamp_(-0.25, 0.5),
-            2,
-        )
+        return Candidates(lambda: (torch._foreach_clamp_min_(grads, -0.25), torch._foreach_clamp_max_(grads, 0.5)),
+                          lambda: [g.clamp_(-0.25, 0.5) for g in grads],
+                          lambda: clip(params), lambda: flat.clamp_(-0.25, 0.5), 2)
     raise ValueError(op)
 
 
 def run(workload_names, dtype_names, thread_counts, ops, rounds, warmup, progress):
     rows = []
     jobs = [(w, d, t) for w in workload_names for d in dtype_names for t in thread_counts]
-    for n, (workload, dtype_name, threads) in enumerate(jobs):
-        shape_list = workloads.shapes(workload)
-        label = os.path.basename(workload)[:-5] if workload.endswith(".json") else workload
+    total_steps, step = len(jobs) * len(ops), 0
+    for workload, dtype_name, threads in jobs:
+        label, shape_list = workloads.resolve(workload)
         g = Grads(shape_list, DTYPES[dtype_name])
         torch.set_num_threads(threads)
         for op in ops:
-            progress(f"[{n + 1}/{len(jobs)}] {label} {dtype_name} threads={threads}: {op}")
-            torch_fn, torchclip_fn, bound_fn, passes = candidates_for(op, g)
-            (t_torch, s1), (t_clip, s2), (t_bound, s3) = interleave([torch_fn, torchclip_fn, bound_fn], rounds, warmup)
-            bytes_moved = g.flat.numel() * g.flat.element_size() * passes
-            rows.append(Row(op, label, dtype_name, threads, len(shape_list), g.flat.numel(), t_torch, t_clip,
-                            t_bound, t_torch / t_clip, t_clip / t_bound, bytes_moved / t_clip / 1e6,
-                            max(s1, s2, s3)))
+            progress(step, total_steps, f"{label} {dtype_name} threads={threads}: {op}")
+            step += 1
+            c = candidates_for(op, g)
+            timed_fns = [c.torch, c.torch_no_foreach, c.torchclip, c.bound]
+            (t_torch, s1), (t_no_foreach, s2), (t_clip, s3), (t_bound, s4) = interleave(timed_fns, rounds, warmup)
+            bytes_moved = g.flat.numel() * g.flat.element_size() * c.passes
+            rows.append(Row(op, label, dtype_name, threads, len(shape_list), g.flat.numel(), t_torch, t_no_foreach,
+                            t_clip, t_bound, t_torch / t_clip, t_clip / t_bound, bytes_moved / t_clip / 1e6,
+                            max(s1, s2, s3, s4)))
             g.reset()
         del g
-    progress(None)
+    progress(total_steps, total_steps, None)
     return rows
 
 
 def format_table(rows) -> str:
-    header = ["workload", "dtype", "thr", "op", "torch ms", "torchclip ms", "bound ms", "speed-up", "x bound",
-              "GB/s", "spread"]
+    header = ["workload", "dtype", "thr", "op", "torch ms", "no-foreach ms", "torchclip ms", "bound ms", "speed-up",
+              "x bound", "GB/s", "spread"]
     lines = [header]
     for r in rows:
-        lines.append([r.workload, r.dtype, str(r.threads), r.op, f"{r.torch_ms:.3f}", f"{r.torchclip_ms:.3f}",
+        lines.append([r.workload, r.dtype, str(r.threads), r.op, f"{r.torch_ms:.3f}", f"{r.torch_no_foreach_ms:.3f}",
+                      f"{r.torchclip_ms:.3f}",
                       f"{r.bound_ms:.3f}", f"{r.speedup:.1f}x", f"{r.bound_ratio:.2f}", f"{r.gbps:.1f}",
                       f"{100 * r.spread:.0f}%"])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
@@ -215,10 +215,17 @@ def format_table(rows) -> str:
 
 
 def make_progress(enabled):
-    def progress(message):
+    """A one-line progress bar on stderr when it is a terminal; silent otherwise (CI logs, pipes)."""
+
+    def progress(done, total, message):
         if not enabled:
             return
-        sys.stderr.write("\r\033[K" + (message or ""))
+        width = 24
+        filled = width * done // max(total, 1)
+        line = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {message or 'done'}"
+        sys.stderr.write("\r\033[K" + line[:shutil.get_terminal_size().columns - 1])
+        if message is None:
+            sys.stderr.write("\n")
         sys.stderr.flush()
 
     return progress
@@ -228,12 +235,17 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(prog="torchclip-bench", description=__doc__.split("\n")[0])
     parser.add_argument("--workload", action="append",
                         help=f"a name ({', '.join(workloads.names())}) or a JSON file of shapes; repeatable")
+    parser.add_argument("--model", action="append", metavar="MODULE:CALLABLE",
+                        help="a workload from a model's parameter shapes, built on the meta device "
+                             "(e.g. torchvision.models:resnet50); repeatable")
     parser.add_argument("--dtype", action="append", help=f"one of {', '.join(DTYPES)}; repeatable (default float32)")
     parser.add_argument("--threads", default=str(torch.get_num_threads()),
                         help="comma list of thread counts (default: all cores)")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per candidate (default 15; 5 with --quick)")
     parser.add_argument("--quick", action="store_true", help="small workloads, few rounds: seconds, for CI")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="also draw speed-up and fraction of the bound (PNG)")
+    parser.add_argument("--markdown", metavar="PATH", help="also write a results page (Markdown, with the plot)")
     args = parser.parse_args(argv)
     for d in args.dtype or []:
         if d not in DTYPES:
@@ -244,9 +256,10 @@ def parse_args(argv):
             raise ValueError
     except ValueError:
         parser.error(f"--threads {args.threads!r}: expected a comma list of positive integers")
-    for w in args.workload or []:
+    args.workload = (args.workload or []) + [f"model:{m}" for m in args.model or []]
+    for w in args.workload:
         try:
-            workloads.shapes(w)
+            workloads.resolve(w)
         except ValueError as error:
             parser.error(str(error))
     return args
@@ -258,9 +271,17 @@ def main(argv=None) -> int:
     rounds = args.rounds or (5 if args.quick else 15)
     rows = run(names, args.dtype or ["float32"], args.thread_counts, OPS, rounds, warmup=1 if args.quick else 2,
                progress=make_progress(sys.stderr.isatty()))
-    print(f"torchclip {torchclip.__version__} (CPU kernels: {torchclip.get_cpu_capability()}), torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs; medians of {rounds} interleaved rounds")
-    print(format_table(rows))
+    header = (f"torchclip {torchclip.__version__} (CPU kernels: {torchclip.get_cpu_capability()}), "
+              f"torch {torch.__version__}, {os.cpu_count()} CPUs; medians of {rounds} interleaved rounds")
+    table = format_table(rows)
+    print(header)
+    print(table)
+    if args.plot:
+        report.plot(rows, args.plot, header)
+    if args.markdown:
+        command = "torchclip-bench " + " ".join(argv if argv is not None else sys.argv[1:])
+        with open(args.markdown, "w") as f:
+            f.write(report.markdown_page(rows, table, header, command, args.plot))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "cpu_capability": torchclip.get_cpu_capability(),

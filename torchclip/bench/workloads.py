@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
+import os
 from importlib import resources
 
 # name -> shapes, for the synthetic workloads; real models come from the JSON files beside this one.
@@ -41,6 +43,38 @@ def shapes(name_or_path: str) -> list[list[int]]:
     if not isinstance(data, dict) or not isinstance(data.get("shapes"), list):
         raise ValueError(f"--workload {name_or_path!r}: expected a JSON object with a 'shapes' list")
     return data["shapes"]
+
+
+def model_shapes(spec: str) -> tuple[str, list[list[int]]]:
+    """The parameter shapes of `module:callable`, a function or class building an nn.Module, built on
+    the meta device (no memory, no initialisation cost)."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"--model {spec!r}: expected module:callable, e.g. torchvision.models:resnet50")
+    try:
+        target = importlib.import_module(module_name)
+        for part in attribute.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"--model {spec!r}: cannot import it ({error})") from error
+    import torch
+
+    with torch.device("meta"):
+        model = target()
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"--model {spec!r}: calling it gave {type(model).__name__}, not an nn.Module")
+    shape_list = [list(p.shape) for p in model.parameters()]
+    if not shape_list:
+        raise ValueError(f"--model {spec!r}: the module has no parameters")
+    return attribute.split(".")[-1], shape_list
+
+
+def resolve(workload: str) -> tuple[str, list[list[int]]]:
+    """(label, shapes) of a workload name, a JSON file of shapes, or "model:module:callable"."""
+    if workload.startswith("model:"):
+        return model_shapes(workload[len("model:"):])
+    label = os.path.basename(workload)[: -len(".json")] if workload.endswith(".json") else workload
+    return label, shapes(workload)
 
 
 def numel(shape_list: list[list[int]]) -> int:

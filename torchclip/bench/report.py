@@ -1,0 +1,89 @@
+"""The benchmark's outputs beyond the terminal table: a plot and a results page (Markdown)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+
+
+def machine_description() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
+
+
+def row_label(row, vary_dtype: bool, vary_threads: bool) -> str:
+    label = f"{row.workload} · {row.op}"
+    if vary_dtype:
+        label += f" · {row.dtype}"
+    if vary_threads:
+        label += f" · {row.threads} thr"
+    return label
+
+
+def plot(rows, path: str, title: str) -> None:
+    """Two panels sharing one row per measurement: speed-up over torch (log scale) and time over the
+    bound (1 = as fast as one pass of torch's fastest op over one buffer)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    vary_dtype = len({r.dtype for r in rows}) > 1
+    vary_threads = len({r.threads for r in rows}) > 1
+    labels = [row_label(r, vary_dtype, vary_threads) for r in rows]
+    workloads = list(dict.fromkeys(r.workload for r in rows))
+    colours = {w: plt.cm.tab10(i % 10) for i, w in enumerate(workloads)}
+    y = list(range(len(rows)))[::-1]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 1.2 + 0.32 * len(rows)), sharey=True)
+    left.barh(y, [r.speedup for r in rows], color=[colours[r.workload] for r in rows])
+    left.set_xscale("log")
+    left.axvline(1.0, color="black", linewidth=0.8)
+    left.set_xlabel("speed-up over torch.nn.utils (log scale; > 1 is faster)")
+    left.set_yticks(y, labels, fontsize=8)
+    for yi, r in zip(y, rows):
+        left.text(r.speedup, yi, f" {r.speedup:.1f}x", va="center", fontsize=7)
+    right.barh(y, [r.bound_ratio for r in rows], color=[colours[r.workload] for r in rows])
+    right.set_xscale("log")  # ratios near 1 (big tensors) and near 10 (tiny ones) both stay readable
+    right.axvline(1.0, color="black", linewidth=0.8)
+    right.set_xlabel("torchclip time / bound time (log scale; 1 = one pass over one buffer)")
+    for yi, r in zip(y, rows):
+        right.text(r.bound_ratio, yi, f" {r.bound_ratio:.2f}", va="center", fontsize=7)
+    for axis in (left, right):
+        axis.margins(x=0.15)  # room for the value labels
+        axis.grid(axis="x", alpha=0.3)
+        axis.set_axisbelow(True)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown_page(rows, table: str, header: str, command: str, plot_path: str | None) -> str:
+    today = datetime.date.today().isoformat()
+    lines = [
+        "# torchclip benchmark results",
+        "",
+        f"Regenerate with `{command}` (from the repository root). Generated {today}.",
+        "",
+        f"- machine: {machine_description()}",
+        f"- {header}",
+        "",
+        "Columns: torch ms is torch.nn.utils with its defaults (foreach on CPU), no-foreach ms the same with",
+        "foreach=False; bound ms is torch's fastest single op over the same bytes in one buffer (sum for a",
+        "norm, sum + mul_ for norm + scale, clamp_ for value); x bound = torchclip ms / bound ms; spread is",
+        "the largest interquartile range / median of the four. The method is in torchclip/bench/__main__.py.",
+        "",
+    ]
+    if plot_path:
+        lines += [f"![speed-up and fraction of the bound]({os.path.basename(plot_path)})", ""]
+    lines += ["```", table, "```", ""]
+    return "\n".join(lines)
