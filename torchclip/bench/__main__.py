@@ -8,8 +8,9 @@ Method (the numbers are only worth what the method is):
   physical placement alone, which would swamp the comparison.)
 * torch, torchclip and the bound run interleaved in one process (round r starts with candidate r mod 3),
   after warm-up; the table shows medians and the spread (interquartile range / median).
-* "clip" rows scale every gradient on every call: each call's max_norm is 0.9999 x the norm the
-  previous call left, so both libraries always write and the values never drift towards denormals.
+* "clip" rows scale every gradient on every call: each call's max_norm is 0.9 x the gradients' norm
+  at that moment (measured untimed), so every candidate always writes, in every dtype, and the
+  values never drift towards denormals (ClipTarget).
 """
 
 from __future__ import annotations
@@ -74,22 +75,26 @@ class Grads:
         self.flat.normal_().mul_(1.0 / math.sqrt(max(1, self.flat.numel())))
 
 
-def timed(fn) -> float:
+def timed(fn, prepare=None) -> float:
+    """Milliseconds of fn(); prepare() runs first, untimed."""
+    if prepare is not None:
+        prepare()
     start = time.perf_counter()
     fn()
     return (time.perf_counter() - start) * 1e3
 
 
-def interleave(candidates, rounds, warmup):
-    """Medians and spreads (IQR / median) of each candidate, run in rotating order."""
+def interleave(candidates, rounds, warmup, prepare=None):
+    """Medians and spreads (IQR / median) of each candidate, run in rotating order; prepare() runs
+    untimed before each call."""
     for _ in range(warmup):
         for fn in candidates:
-            fn()
+            timed(fn, prepare)
     samples = [[] for _ in candidates]
     for r in range(rounds):
         for k in range(len(candidates)):
             i = (r + k) % len(candidates)
-            samples[i].append(timed(candidates[i]))
+            samples[i].append(timed(candidates[i], prepare))
     out = []
     for s in samples:
         s.sort()
@@ -102,24 +107,31 @@ def interleave(candidates, rounds, warmup):
 @dataclass
 class Candidates:
     """What one row times: torch (default foreach), torch with foreach=False where torch has the
-    switch, torchclip, and the bound; `passes` is how many times the op moves the bytes."""
+    switch, torchclip, and the bound; `passes` is how many times the op moves the bytes; prepare()
+    runs untimed before every call."""
 
     torch: object
     torch_no_foreach: object
     torchclip: object
     bound: object
     passes: int
+    prepare: object = None
 
 
-def shrinking_max_norm(grads):
-    """max_norm for "clip" rows: 0.9999 x the norm the previous call left, so every call writes."""
-    state = {"max_norm": float(torchclip.get_total_norm(grads).double())}
+class ClipTarget:
+    """max_norm for "clip" rows: 0.9 x the gradients' current norm, measured untimed before every
+    call, so every call of every candidate scales (by ~0.9: a change float16 and bfloat16 keep),
+    whatever the previous candidate left, and 100 calls shrink the values by only 1e-5."""
 
-    def next_max_norm():
-        state["max_norm"] *= 0.9999
-        return state["max_norm"]
+    def __init__(self, grads):
+        self.grads = grads
+        self.max_norm = 1.0
 
-    return next_max_norm
+    def prepare(self):
+        self.max_norm = 0.9 * float(torchclip.get_total_norm(self.grads).double())
+
+    def __call__(self):
+        return self.max_norm
 
 
 def candidates_for(op, g: Grads) -> Candidates:
@@ -131,10 +143,11 @@ def candidates_for(op, g: Grads) -> Candidates:
                           lambda: torch.nn.utils.clip_grad_norm_(params, 1e30, foreach=False),
                           lambda: torchclip.clip_grad_norm_(params, 1e30), norm_bound, 1)
     if op == "clip_grad_norm_ (clip)":
-        next_max_norm = shrinking_max_norm(grads)
-        return Candidates(lambda: torch.nn.utils.clip_grad_norm_(params, next_max_norm()),
-                          lambda: torch.nn.utils.clip_grad_norm_(params, next_max_norm(), foreach=False),
-                          lambda: torchclip.clip_grad_norm_(params, next_max_norm()), norm_scale_bound, 3)
+        max_norm = ClipTarget(grads)
+        return Candidates(lambda: torch.nn.utils.clip_grad_norm_(params, max_norm()),
+                          lambda: torch.nn.utils.clip_grad_norm_(params, max_norm(), foreach=False),
+                          lambda: torchclip.clip_grad_norm_(params, max_norm()), norm_scale_bound, 3,
+                          max_norm.prepare)
     if op == "get_total_norm":
         return Candidates(lambda: torch.nn.utils.get_total_norm(grads),
                           lambda: torch.nn.utils.get_total_norm(grads, foreach=False),
@@ -145,16 +158,16 @@ def candidates_for(op, g: Grads) -> Candidates:
                           lambda: torchclip.clip_grad_value_(params, 0.5), lambda: flat.clamp_(-0.5, 0.5), 2)
     if op == "ClipGradByGlobalNorm (clip)":
         # torch has no class: its equivalent is clip_grad_norm_ (the formulas differ only by eps).
-        next_max_norm = shrinking_max_norm(grads)
+        max_norm = ClipTarget(grads)
         clip = torchclip.ClipGradByGlobalNorm(1.0)
 
         def paddle_style():
-            clip.clip_norm = next_max_norm()
+            clip.clip_norm = max_norm()
             clip(params)
 
-        return Candidates(lambda: torch.nn.utils.clip_grad_norm_(params, next_max_norm()),
-                          lambda: torch.nn.utils.clip_grad_norm_(params, next_max_norm(), foreach=False),
-                          paddle_style, norm_scale_bound, 3)
+        return Candidates(lambda: torch.nn.utils.clip_grad_norm_(params, max_norm()),
+                          lambda: torch.nn.utils.clip_grad_norm_(params, max_norm(), foreach=False),
+                          paddle_style, norm_scale_bound, 3, max_norm.prepare)
     if op == "ClipGradByNorm":
         # In torch, per-tensor norm clipping is clip_grad_norm_ called once per tensor. The clip norm
         # is the median tensor norm: about half the tensors are clipped on the first call.
@@ -185,7 +198,8 @@ def run(workload_names, dtype_names, thread_counts, ops, rounds, warmup, progres
             step += 1
             c = candidates_for(op, g)
             timed_fns = [c.torch, c.torch_no_foreach, c.torchclip, c.bound]
-            (t_torch, s1), (t_no_foreach, s2), (t_clip, s3), (t_bound, s4) = interleave(timed_fns, rounds, warmup)
+            (t_torch, s1), (t_no_foreach, s2), (t_clip, s3), (t_bound, s4) = interleave(
+                timed_fns, rounds, warmup, c.prepare)
             bytes_moved = g.flat.numel() * g.flat.element_size() * c.passes
             rows.append(Row(op, label, dtype_name, threads, len(shape_list), g.flat.numel(), t_torch, t_no_foreach,
                             t_clip, t_bound, t_torch / t_clip, t_clip / t_bound, bytes_moved / t_clip / 1e6,
