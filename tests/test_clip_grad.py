@@ -15,7 +15,6 @@ from testing import (
     LAYOUTS,
     NORM_RTOL,
     NORM_TYPES,
-    OTHER_NORM_TYPES,
     SHAPES,
     assert_close_rel,
     assert_norm_close,

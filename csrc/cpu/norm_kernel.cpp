@@ -7,10 +7,11 @@
 //
 // Speed: widening every element to float64 costs ~40% on cache-resident data (measured on ResNet-50
 // shapes, 102 MB, one core: 10.7 ms against 7.5 ms for float32 squares). So p = 2 on 16/32-bit data
-// squares and sums in float32 within blocks of 64 vectors, where each accumulator lane adds only 16
-// squares (relative error < 2e-6 on the block, < 1e-6 on the norm, typically 1e-8), and widens each
-// block's lanes to float64. A block whose float32 sums could have overflowed (inf), underflowed
-// (largest lane below 2^-80, zero included) or met a NaN is summed again in float64 from its data.
+// squares and sums in float32 within blocks where each accumulator lane adds only 16 squares
+// (relative error < 2e-6 on the block, < 1e-6 on the norm, typically 1e-8; 1e-7 measured on 10M
+// equal values, where every rounding goes the same way), and widens each block's lanes to float64.
+// A block whose float32 sums could have overflowed (inf), underflowed (largest lane below 2^-80,
+// zero included) or met a NaN is summed again in float64 from its data.
 //
 // float64 inputs whose largest magnitude is outside [2^-480, 2^480] are summed again scaled by a
 // power of two, as LAPACK's dnrm2 does, so their norm is right whenever it is representable.
