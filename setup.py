@@ -3,7 +3,7 @@
 Extensions:
   torchclip._C             op schemas (csrc/ops.cpp), CPU op implementations, Python helpers
   torchclip._cpu_<isa>     the CPU kernels (csrc/cpu/*_kernel.cpp), once per instruction set; the
-                           package loads the best one the CPU supports at import (never -march=native)
+                           package loads the best one the CPU supports at import (nothing is tuned to the build machine)
 
 Build switches (environment variables):
   TORCHCLIP_CPU_ISAS   comma list of kernel libraries to build, from DEFAULT,AVX2,AVX512

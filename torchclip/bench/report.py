@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
@@ -9,14 +10,8 @@ import platform
 
 def machine_description() -> str:
     model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:  # Linux names the CPU model here
+        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
     return f"{model}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
 
 
