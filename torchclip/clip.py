@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
