@@ -67,6 +67,9 @@ bool collect_plain_cpu(py::handle items, bool take_grad, bool honor_need_clip, s
         tensor.key_set().has(c10::DispatchKey::Python)) {
       return false;
     }
+    if (take_grad && tensor.sizes() != item.sizes()) {
+      return false;  // the Python path raises, naming the parameter and both shapes
+    }
     out.push_back(tensor);
   }
   return true;

@@ -16,6 +16,14 @@ Where torchclip differs, on purpose, it is more accurate, never less:
 * clip_grad_value_ with every gradient None does nothing (torch raises an internal error), and a
   clip_value beyond float16's range clamps float16 gradients as the maths says (torch raises "value
   cannot be converted to type c10::Half without overflow").
+
+Values torch accepts keep torch's meaning, odd as some are: max_norm < 0 flips every gradient's sign
+(pytorch issue 31367), max_norm NaN makes them NaN, max_norm inf leaves them unchanged; clip_value < 0
+sets every gradient to clip_value, clip_value NaN makes them NaN. (The Paddle-style classes refuse
+such values.) What torch does not check is refused with an error naming the argument and its value,
+before any gradient changes: a norm_type, max_norm or clip_value that is not a number, an item that
+is not a tensor (NotATensorError, both a TypeError and the AttributeError torch raises), a gradient
+whose shape is not its parameter's, and (for norms) an integer or bool gradient.
 """
 
 from __future__ import annotations
@@ -44,8 +52,38 @@ def _as_list(tensors: _tensor_or_tensors) -> list[Tensor]:
     return [tensors] if isinstance(tensors, Tensor) else list(tensors)
 
 
+class NotATensorError(TypeError, AttributeError):
+    """An item that should be a tensor is not. Both a TypeError (what it is) and an AttributeError
+    (what torch raises there, reading .grad), so code catching either keeps working."""
+
+
+def _as_number(name: str, value) -> float:
+    """float(value), or the error float() raises, naming the argument and the value."""
+    try:
+        return float(value)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{name} must be a number, got {value!r}") from None
+
+
+def _check_tensors(items: list, name: str) -> None:
+    for i, item in enumerate(items):
+        if not isinstance(item, Tensor):
+            raise NotATensorError(f"{name}[{i}] must be a Tensor, got {type(item).__name__}: {item!r:.60}")
+
+
 def _grads(parameters: list) -> list[Tensor]:
-    return [p.grad for p in parameters if p.grad is not None]
+    """The defined gradients, after checking what torch leaves unchecked: that every item is a tensor
+    and that every gradient has its parameter's shape."""
+    _check_tensors(parameters, "parameters")
+    grads = []
+    for i, p in enumerate(parameters):
+        g = p.grad
+        if g is None:
+            continue
+        if g.shape != p.shape:
+            raise ValueError(f"parameters[{i}] has shape {tuple(p.shape)} but its gradient has shape {tuple(g.shape)}")
+        grads.append(g)
+    return grads
 
 
 @torch.no_grad()
@@ -63,7 +101,7 @@ def get_total_norm(
     kernels. ``error_if_nonfinite=True`` raises when the norm is NaN or inf.
     """
     tensors = _as_list(tensors)
-    norm_type = float(norm_type)
+    norm_type = _as_number("norm_type", norm_type)
     if len(tensors) == 0:
         return torch.tensor(0.0)
     if not torch.compiler.is_compiling():
@@ -73,6 +111,7 @@ def get_total_norm(
     elif _ops.all_plain_cpu(tensors):
         total_norm, _ = _ops.multi_tensor_norm(tensors, norm_type, error_if_nonfinite)
         return total_norm
+    _check_tensors(tensors, "tensors")
     return _torch_get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
 
 
@@ -93,7 +132,7 @@ def clip_grads_with_norm_(
     grads = _grads(parameters)
     if not _ops.all_plain_cpu(grads):
         return _torch_clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
-    max_norm = float(max_norm)
+    max_norm = _as_number("max_norm", max_norm)
     if len(grads) == 0:
         return None
     clip_coef = max_norm / (total_norm + 1e-6)
@@ -128,13 +167,15 @@ def clip_grad_norm_(
             warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=3)
     if not torch.compiler.is_compiling():
         total_norm = _ops.clip_grad_norm_of_plain_cpu(
-            parameters, float(max_norm), float(norm_type), bool(error_if_nonfinite)
+            parameters, _as_number("max_norm", max_norm), _as_number("norm_type", norm_type), bool(error_if_nonfinite)
         )
         if total_norm is not None:
             return total_norm
     grads = _grads(parameters)
     if grads and _ops.all_plain_cpu(grads):
-        return _ops.clip_grad_norm_tensors_(grads, float(max_norm), float(norm_type), error_if_nonfinite)
+        return _ops.clip_grad_norm_tensors_(
+            grads, _as_number("max_norm", max_norm), _as_number("norm_type", norm_type), error_if_nonfinite
+        )
     # Other devices, subclasses, sparse gradients, or none at all: torch's composition.
     total_norm = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
     clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
@@ -169,7 +210,7 @@ def clip_grad_value_(
     Parameters without gradients are skipped; if none has one, nothing happens.
     """
     parameters = _as_list(parameters)
-    clip_value = float(clip_value)
+    clip_value = _as_number("clip_value", clip_value)
     if not torch.compiler.is_compiling() and _ops.clamp_grads_of_plain_cpu(parameters, -clip_value, clip_value):
         return None
     grads = _grads(parameters)

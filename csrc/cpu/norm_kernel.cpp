@@ -211,12 +211,17 @@ Partial reduce_double(const double* x, int64_t n) {
   return out;
 }
 
+// Whether Partial::extreme is a minimum (|x| for -inf, and the scale for negative orders).
+bool tracks_minimum(NormOrder order) {
+  return order.kind == NormKind::NegInf || (order.kind == NormKind::General && order.p < 0);
+}
+
 // The orders torch accepts beyond 1, 2 and inf. Rare in training, so a plain float64 loop; it follows
 // torch.linalg.vector_norm's definitions (p = 0 counts non-zeros, NaN included; -inf is min |x|).
 template <typename T>
 Partial reduce_general(const T* x, int64_t n, NormOrder order) {
   Partial out;
-  if (order.kind == NormKind::NegInf) {
+  if (tracks_minimum(order)) {
     out.extreme = std::numeric_limits<double>::infinity();
   }
   for (int64_t i = 0; i < n; ++i) {
@@ -236,6 +241,8 @@ Partial reduce_general(const T* x, int64_t n, NormOrder order) {
         break;
       default:
         out.sum += std::pow(v, order.p);
+        // For the scaled second pass: the largest |x| for p > 0, the smallest for p < 0.
+        out.extreme = (order.p > 0 ? v > out.extreme : v < out.extreme) ? v : out.extreme;
         break;
     }
   }
@@ -268,10 +275,10 @@ Partial reduce_span(const T* x, int64_t n, NormOrder order) {
   }
 }
 
-void combine(Partial& into, const Partial& chunk, NormKind kind) {
+void combine(Partial& into, const Partial& chunk, NormOrder order) {
   into.sum += chunk.sum;
   into.has_nan |= chunk.has_nan;
-  if (kind == NormKind::NegInf) {
+  if (tracks_minimum(order)) {
     into.extreme = chunk.extreme < into.extreme ? chunk.extreme : into.extreme;
   } else {
     into.extreme = chunk.extreme > into.extreme ? chunk.extreme : into.extreme;
@@ -291,6 +298,27 @@ double scaled_two_norm(const double* x, int64_t n, double max_abs) {
   return std::ldexp(std::sqrt(sum), exponent);
 }
 
+// sum |x|^p could leave float64's range even when the norm is representable (p = 3 on 1e200, p = -1.5
+// on 1e-308): sum (|x| / scale)^p instead, with scale the largest |x| for p > 0 and the smallest for
+// p < 0, so every term is <= 1 and one is exactly 1.
+double scaled_general_norm(const TensorSpan& span, double p, double scale) {
+  double sum = 0.0;
+  dispatch_dtype(span.dtype, [&](auto* typed) {
+    using T = std::remove_pointer_t<decltype(typed)>;
+    const T* x = static_cast<const T*>(span.data);
+    for (int64_t i = 0; i < span.numel; ++i) {
+      double v;
+      if constexpr (std::is_same_v<T, double>) {
+        v = std::fabs(x[i]);
+      } else {
+        v = std::fabs(static_cast<double>(static_cast<float>(x[i])));
+      }
+      sum += std::pow(v / scale, p);
+    }
+  });
+  return scale * std::pow(sum, 1.0 / p);
+}
+
 double finish(const Partial& acc, const TensorSpan& span, NormOrder order) {
   switch (order.kind) {
     case NormKind::One:
@@ -307,8 +335,14 @@ double finish(const Partial& acc, const TensorSpan& span, NormOrder order) {
     case NormKind::Inf:
     case NormKind::NegInf:
       return acc.has_nan ? std::numeric_limits<double>::quiet_NaN() : acc.extreme;
-    case NormKind::General:
-      return std::pow(acc.sum, 1.0 / order.p);
+    case NormKind::General: {
+      const double norm = std::pow(acc.sum, 1.0 / order.p);
+      const bool may_have_left_range = std::isinf(acc.sum) || acc.sum < 1e-290;
+      if (may_have_left_range && !acc.has_nan && std::isfinite(acc.extreme) && acc.extreme > 0.0) {
+        return scaled_general_norm(span, order.p, acc.extreme);
+      }
+      return norm;
+    }
   }
   return std::numeric_limits<double>::quiet_NaN();
 }
@@ -329,13 +363,13 @@ void tensor_norms(const TensorSpan* spans, int64_t count, NormOrder order, doubl
   });
   // Combine each tensor's chunks in order: fixed, so the result is independent of the thread count.
   std::vector<Partial> per_tensor(count);
-  if (order.kind == NormKind::NegInf) {
+  if (tracks_minimum(order)) {
     for (auto& p : per_tensor) {
       p.extreme = std::numeric_limits<double>::infinity();
     }
   }
   for (size_t c = 0; c < plan.chunks.size(); ++c) {
-    combine(per_tensor[plan.chunks[c].tensor], partials[c], order.kind);
+    combine(per_tensor[plan.chunks[c].tensor], partials[c], order);
   }
   for (int64_t i = 0; i < count; ++i) {
     norms[i] = finish(per_tensor[i], spans[i], order);

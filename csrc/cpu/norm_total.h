@@ -1,7 +1,7 @@
 // The total norm from per-tensor norms, as torch.nn.utils.get_total_norm defines it: the norm of the
 // vector of per-tensor norms (for p = 0 that counts the tensors with a non-zero element, torch's
-// result). Evaluated in float64, scaled by the largest norm for p > 0 so that squaring cannot
-// overflow even for float64 inputs.
+// result). Evaluated in float64, scaled by the largest norm for p > 0 and by the smallest for p < 0,
+// so that raising to the power p cannot overflow even for float64 inputs.
 #pragma once
 
 #include <cmath>
@@ -62,12 +62,16 @@ inline double total_norm(const double* norms, int64_t count, NormOrder order) {
     return kNaN;
   }
   if (p < 0) {
-    // No overflow to guard against: |n|^p <= 1 / smallest^|p|, and a zero norm gives inf, then 0.
+    // Scaled by the smallest norm, so (n / smallest)^p <= 1 cannot overflow (it would for a norm
+    // of 1e-300); a zero norm makes the total 0, as torch's formula gives.
+    if (smallest == 0.0 || std::isinf(smallest)) {
+      return smallest;
+    }
     double powers = 0.0;
     for (int64_t i = 0; i < count; ++i) {
-      powers += std::pow(norms[i], p);
+      powers += std::pow(norms[i] / smallest, p);
     }
-    return std::pow(powers, 1.0 / p);
+    return smallest * std::pow(powers, 1.0 / p);
   }
   if (largest == 0.0 || std::isinf(largest)) {
     return largest;

@@ -98,6 +98,26 @@ std::string python_float(double value) {
   return text;
 }
 
+// The norm of a tensor the kernels do not take (complex, strided with gaps), by ATen in float64.
+// ATen does not scale: |x|^p leaves float64's range for magnitudes near its limits (squares beyond
+// ~1e154 or below ~1e-154). When that could have happened, the tensor is divided by its largest
+// magnitude (p > 0) or smallest (p < 0) first, as the kernels do, so the norm is right whenever it is
+// representable.
+double aten_norm(const at::Tensor& t, double ord) {
+  const auto wide = t.is_complex() ? at::kComplexDouble : at::kDouble;
+  const double norm = at::linalg_vector_norm(t, ord, std::nullopt, false, wide).item<double>();
+  const bool may_have_left_range = std::isinf(norm) || norm < 1e-290;
+  if (!std::isfinite(ord) || ord == 0.0 || !may_have_left_range || t.numel() == 0) {
+    return norm;
+  }
+  const at::Tensor magnitudes = t.abs();
+  const double scale = (ord > 0 ? magnitudes.max() : magnitudes.min()).to(at::kDouble).item<double>();
+  if (!std::isfinite(scale) || scale == 0.0) {
+    return norm;
+  }
+  return scale * at::linalg_vector_norm(t.to(wide) / scale, ord, std::nullopt, false, wide).item<double>();
+}
+
 // Per-tensor norms in float64: kernels for the spans, ATen (in float64) for the rest.
 std::vector<double> tensor_norms_wide(at::TensorList tensors, const Split& split, double ord, const char* op) {
   const NormOrder order = cpu::norm_order(ord);
@@ -120,8 +140,9 @@ std::vector<double> tensor_norms_wide(at::TensorList tensors, const Split& split
   }
   for (int64_t i : split.aten_path) {
     const at::Tensor& t = tensors[i];
-    const auto wide = t.is_complex() ? at::kComplexDouble : at::kDouble;
-    norms[i] = at::linalg_vector_norm(t, ord, std::nullopt, false, wide).item<double>();
+    TORCH_CHECK(t.is_floating_point() || t.is_complex(), op, ": tensors[", i, "] has dtype ", t.scalar_type(),
+        "; a norm needs a floating point or complex dtype");
+    norms[i] = aten_norm(t, ord);
   }
   return norms;
 }

@@ -1,0 +1,199 @@
+"""Every row of the README's bad-input table: the error (type and words) and gradients unchanged."""
+
+import math
+import threading
+
+import pytest
+import torch
+from testing import make_params
+
+import torchclip
+from torchclip.clip_grad import NotATensorError
+
+
+def fresh():
+    return make_params([((5,), torch.float32), ((3, 4), torch.float32), ((7,), torch.float32)], scale=3.0)
+
+
+def snapshot(params):
+    return [None if p.grad is None else p.grad.clone() for p in params]
+
+
+def assert_unchanged(params, before):
+    for p, b in zip(params, before):
+        assert (p.grad is None and b is None) or torch.equal(p.grad.nan_to_num(), b.nan_to_num())
+
+
+def wrong_shape(params):
+    params[1].grad = torch.zeros(4, 3)  # torch refuses `p.grad = ...` of another shape; .data does not
+    return params
+
+
+def int_grad(params):
+    params[2].grad = torch.ones(7, dtype=torch.int64)
+    return params
+
+
+ROWS = [
+    # (description, setup(params) -> params, call(params), error, message)
+    ("norm_type not a number", None, lambda ps: torchclip.clip_grad_norm_(ps, 1.0, norm_type="two"),
+     ValueError, "norm_type must be a number, got 'two'"),
+    ("max_norm not a number", None, lambda ps: torchclip.clip_grad_norm_(ps, None),
+     TypeError, "max_norm must be a number, got None"),
+    ("clip_value not a number", None, lambda ps: torchclip.clip_grad_value_(ps, "big"),
+     ValueError, "clip_value must be a number, got 'big'"),
+    ("an item that is not a tensor", lambda ps: ps + [3], lambda ps: torchclip.clip_grad_norm_(ps, 1.0),
+     NotATensorError, r"parameters\[3\] must be a Tensor, got int: 3"),
+    ("a non-tensor in get_total_norm", None, lambda ps: torchclip.get_total_norm([p.grad for p in ps] + ["x"]),
+     NotATensorError, r"tensors\[3\] must be a Tensor, got str"),
+    ("a gradient of another shape", wrong_shape, lambda ps: torchclip.clip_grad_norm_(ps, 1.0),
+     ValueError, r"parameters\[1\] has shape \(3, 4\) but its gradient has shape \(4, 3\)"),
+    ("an integer gradient, norm", int_grad, lambda ps: torchclip.clip_grad_norm_(ps, 1.0),
+     RuntimeError, r"tensors\[2\] has dtype Long; a norm needs a floating point or complex dtype"),
+    ("a bool gradient, value clip", lambda ps: [*ps[:2], _bool_param()], lambda ps: torchclip.clip_grad_value_(ps, 1.0),
+     RuntimeError, r"tensors\[2\] has dtype bool; clamping needs a numeric dtype"),
+    ("a complex gradient, value clip", lambda ps: [*ps[:2], _complex_param()],
+     lambda ps: torchclip.clip_grad_value_(ps, 1.0), RuntimeError, "clamping is not defined for complex numbers"),
+    ("an expanded (overlapping) gradient", lambda ps: [*ps[:2], _expanded_param()],
+     lambda ps: torchclip.clip_grad_norm_(ps, 0.1), RuntimeError, "share memory"),
+    ("non-finite norm with error_if_nonfinite", lambda ps: _with_nan(ps),
+     lambda ps: torchclip.clip_grad_norm_(ps, 0.1, error_if_nonfinite=True), RuntimeError, "non-finite"),
+    ("ClipGradByGlobalNorm clip_norm <= 0", None, lambda ps: torchclip.ClipGradByGlobalNorm(-1.0)(ps),
+     ValueError, "clip_norm must be a finite number > 0, got -1.0"),
+    ("ClipGradByNorm clip_norm NaN", None, lambda ps: torchclip.ClipGradByNorm(math.nan)(ps),
+     ValueError, "clip_norm must be a finite number > 0, got nan"),
+    ("ClipGradByValue min > max", None, lambda ps: torchclip.ClipGradByValue(1.0, 2.0)(ps),
+     ValueError, "min must be <= max, got min=2.0, max=1.0"),
+    ("ClipGradByValue max <= 0 without min", None, lambda ps: torchclip.ClipGradByValue(-1.0)(ps),
+     ValueError, "max must be > 0 when min is None"),
+    ("need_clip not callable", None, lambda ps: torchclip.GradientClipByNorm(1.0, need_clip=1)(ps),
+     TypeError, "need_clip must be a function"),
+]
+
+
+def _bool_param():
+    p = torch.nn.Parameter(torch.zeros(7))
+    p.grad = torch.zeros(7)
+    p.grad.data = torch.ones(7, dtype=torch.bool)
+    return p
+
+
+def _complex_param():
+    p = torch.nn.Parameter(torch.zeros(7, dtype=torch.complex64))
+    p.grad = torch.ones(7, dtype=torch.complex64)
+    return p
+
+
+def _expanded_param():
+    p = torch.nn.Parameter(torch.zeros(4, 3))
+    p.grad = torch.ones(1, 3).expand(4, 3)
+    return p
+
+
+def _with_nan(params):
+    params[0].grad[1] = math.nan
+    return params
+
+
+def _apply(setup, params):
+    if setup is None:
+        return params
+    if setup in (wrong_shape, int_grad):  # these replace .data, which torch's setter allows
+        if setup is wrong_shape:
+            params[1].grad.data = torch.zeros(4, 3)
+        else:
+            params[2].grad.data = torch.ones(7, dtype=torch.int64)
+        return params
+    return setup(params)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r[0] for r in ROWS])
+def test_bad_input_row(row):
+    _, setup, call, error, message = row
+    params = _apply(setup, fresh())
+    tensors = [p for p in params if isinstance(p, torch.Tensor)]
+    before = snapshot(tensors)
+    with pytest.raises(error, match=message):
+        call(params)
+    assert_unchanged(tensors, before)
+
+
+def test_not_a_tensor_error_is_also_what_torch_raises():
+    with pytest.raises(AttributeError):
+        torchclip.clip_grad_norm_([3], 1.0)
+    with pytest.raises(TypeError):
+        torchclip.clip_grad_norm_([3], 1.0)
+
+
+@pytest.mark.parametrize("max_norm, check", [
+    (-1.0, lambda before, after, scale: torch.allclose(after, -before * scale)),  # torch flips (pytorch#31367)
+    (math.nan, lambda before, after, scale: after.isnan().all()),
+    (math.inf, lambda before, after, scale: torch.equal(after, before)),
+])
+def test_values_torch_accepts_keep_torchs_meaning(max_norm, check):
+    ours, theirs = fresh(), fresh()
+    torchclip.clip_grad_norm_(ours, max_norm)
+    torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p.grad, q.grad, equal_nan=True, rtol=1e-5, atol=0)
+    before = fresh()[0].grad
+    total = torchclip.get_total_norm([p.grad for p in fresh()]).item()
+    assert check(before, ours[0].grad, abs(max_norm) / (total + 1e-6) if math.isfinite(max_norm) else 1.0)
+
+
+def test_negative_clip_value_sets_every_gradient_to_it_as_torch_does():
+    ours, theirs = fresh(), fresh()
+    torchclip.clip_grad_value_(ours, -0.5)
+    torch.nn.utils.clip_grad_value_(theirs, -0.5)
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p.grad, q.grad) and (p.grad == -0.5).all()
+
+
+# ---- threads and memory ----------------------------------------------------------------------------
+
+
+def test_concurrent_calls_from_python_threads_match_serial_calls():
+    def parameter_sets():
+        return [make_params([((1000,), torch.float32)] * 50, seed=100 * k, scale=0.1) for k in range(4)]
+
+    def work(params, results, k):
+        for _ in range(20):  # later calls find the gradients (almost) clipped already
+            results[k] = torchclip.clip_grad_norm_(params, 0.5).item()
+
+    serial_sets, serial_results = parameter_sets(), [None] * 4
+    for k, params in enumerate(serial_sets):
+        work(params, serial_results, k)
+    threaded_sets, threaded_results = parameter_sets(), [None] * 4
+    threads = [threading.Thread(target=work, args=(params, threaded_results, k)) for k, params in enumerate(threaded_sets)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert threaded_results == serial_results
+    for serial, threaded in zip(serial_sets, threaded_sets):
+        for p, q in zip(serial, threaded):
+            assert torch.equal(p.grad, q.grad)
+
+
+def test_set_num_threads_one_gives_the_same_bits():
+    params = make_params([((300_000,), torch.float32)] * 4, scale=0.1)
+    torch.set_num_threads(1)
+    one = torchclip.get_total_norm([p.grad for p in params]).item()
+    torch.set_num_threads(2)
+    assert torchclip.get_total_norm([p.grad for p in params]).item() == one
+
+
+def test_clipping_allocates_no_memory_proportional_to_the_gradients():
+    import resource
+
+    params = make_params([((4_000_000,), torch.float32)] * 25, scale=0.1)  # 400 MB of gradients
+    torchclip.clip_grad_norm_(params, 0.5)  # warm up: code pages, thread pool
+    torchclip.clip_grad_value_(params, 0.01)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    for _ in range(3):
+        torchclip.clip_grad_norm_(params, 0.4)
+        torchclip.clip_grad_value_(params, 0.005)
+        torchclip.ClipGradByGlobalNorm(0.3)(params)
+        torchclip.ClipGradByNorm(0.01)(params)
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 8 * 1024, f"peak memory grew by {grown_kib} KiB while clipping 400 MB of gradients"
