@@ -59,27 +59,29 @@ void multi_tensor_clamp_autograd(c10::DispatchKeySet ks, at::TensorList tensors,
 }
 
 at::Tensor clip_grad_norm_autograd(c10::DispatchKeySet ks, at::TensorList grads, double max_norm, double norm_type,
-    bool error_if_nonfinite, double eps, bool norm_at_least_float32) {
-  static const auto op =
-      op_handle<at::Tensor(at::TensorList, double, double, bool, double, bool)>("torchclip::clip_grad_norm_");
+    bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite) {
+  static const auto op = op_handle<at::Tensor(at::TensorList, double, double, bool, double, bool, c10::string_view)>(
+      "torchclip::clip_grad_norm_");
   check_not_differentiated(grads, "torchclip.clip_grad_norm_");
   at::Tensor total;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     total = op.redispatch(ks & c10::after_ADInplaceOrView_keyset, grads, max_norm, norm_type, error_if_nonfinite, eps,
-        norm_at_least_float32);
+        norm_at_least_float32, nonfinite);
   }
   bump_versions(grads);
   return total;
 }
 
-at::Tensor clip_by_tensor_norm_autograd(c10::DispatchKeySet ks, at::TensorList tensors, double max_norm) {
-  static const auto op = op_handle<at::Tensor(at::TensorList, double)>("torchclip::clip_by_tensor_norm_");
+at::Tensor clip_by_tensor_norm_autograd(c10::DispatchKeySet ks, at::TensorList tensors, double max_norm,
+    c10::string_view nonfinite) {
+  static const auto op =
+      op_handle<at::Tensor(at::TensorList, double, c10::string_view)>("torchclip::clip_by_tensor_norm_");
   check_not_differentiated(tensors, "torchclip.clip_by_tensor_norm_");
   at::Tensor norms;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    norms = op.redispatch(ks & c10::after_ADInplaceOrView_keyset, tensors, max_norm);
+    norms = op.redispatch(ks & c10::after_ADInplaceOrView_keyset, tensors, max_norm, nonfinite);
   }
   bump_versions(tensors);
   return norms;

@@ -98,9 +98,9 @@ py::object total_norm_of_plain_cpu(py::handle tensors, double norm_type, bool er
 
 // clip_grad_norm_ and ClipGradByGlobalNorm: the total norm, or None (general path, or no gradients).
 py::object clip_grad_norm_of_plain_cpu(py::handle parameters, double max_norm, double norm_type,
-    bool error_if_nonfinite, double eps, bool norm_at_least_float32, bool honor_need_clip) {
-  static const auto op =
-      torchclip_op<at::Tensor(at::TensorList, double, double, bool, double, bool)>("torchclip::clip_grad_norm_");
+    bool error_if_nonfinite, double eps, bool norm_at_least_float32, bool honor_need_clip, const std::string& nonfinite) {
+  static const auto op = torchclip_op<at::Tensor(at::TensorList, double, double, bool, double, bool, c10::string_view)>(
+      "torchclip::clip_grad_norm_");
   std::vector<at::Tensor> grads;
   if (!collect_plain_cpu(parameters, true, honor_need_clip, grads) || grads.empty()) {
     return py::none();
@@ -108,14 +108,16 @@ py::object clip_grad_norm_of_plain_cpu(py::handle parameters, double max_norm, d
   at::Tensor total;
   {
     py::gil_scoped_release no_gil;
-    total = op.call(grads, max_norm, norm_type, error_if_nonfinite, eps, norm_at_least_float32);
+    total = op.call(grads, max_norm, norm_type, error_if_nonfinite, eps, norm_at_least_float32, nonfinite);
   }
   return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(total)));
 }
 
 // ClipGradByNorm: the per-tensor norms, or None (general path, or no gradients).
-py::object clip_by_tensor_norm_of_plain_cpu(py::handle parameters, double max_norm, bool honor_need_clip) {
-  static const auto op = torchclip_op<at::Tensor(at::TensorList, double)>("torchclip::clip_by_tensor_norm_");
+py::object clip_by_tensor_norm_of_plain_cpu(py::handle parameters, double max_norm, bool honor_need_clip,
+    const std::string& nonfinite) {
+  static const auto op =
+      torchclip_op<at::Tensor(at::TensorList, double, c10::string_view)>("torchclip::clip_by_tensor_norm_");
   std::vector<at::Tensor> grads;
   if (!collect_plain_cpu(parameters, true, honor_need_clip, grads) || grads.empty()) {
     return py::none();
@@ -123,7 +125,7 @@ py::object clip_by_tensor_norm_of_plain_cpu(py::handle parameters, double max_no
   at::Tensor norms;
   {
     py::gil_scoped_release no_gil;
-    norms = op.call(grads, max_norm);
+    norms = op.call(grads, max_norm, nonfinite);
   }
   return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(norms)));
 }
@@ -176,9 +178,10 @@ PYBIND11_MODULE(_C, m) {
       py::arg("error_if_nonfinite"));
   m.def("clip_grad_norm_of_plain_cpu", &clip_grad_norm_of_plain_cpu, py::arg("parameters"), py::arg("max_norm"),
       py::arg("norm_type"), py::arg("error_if_nonfinite"), py::arg("eps") = 1e-6,
-      py::arg("norm_at_least_float32") = false, py::arg("honor_need_clip") = false);
+      py::arg("norm_at_least_float32") = false, py::arg("honor_need_clip") = false,
+      py::arg("nonfinite") = "propagate");
   m.def("clip_by_tensor_norm_of_plain_cpu", &clip_by_tensor_norm_of_plain_cpu, py::arg("parameters"),
-      py::arg("max_norm"), py::arg("honor_need_clip"));
+      py::arg("max_norm"), py::arg("honor_need_clip"), py::arg("nonfinite") = "propagate");
   m.def("clamp_grads_of_plain_cpu", &clamp_grads_of_plain_cpu, py::arg("parameters"), py::arg("min"),
       py::arg("max"), py::arg("honor_need_clip") = false);
 }

@@ -25,7 +25,7 @@ OPCHECK_CASES = {
     "multi_tensor_clamp_": lambda: ((tensor_list(torch.bfloat16)[:5], -0.5, 0.5),),
     "clip_grad_norm_": lambda: ((tensor_list(torch.float32)[1:6], 0.1, 2.0, False),
                                 (tensor_list(torch.float16)[1:6], 0.1, 2.0, False, 0.0, True)),
-    "clip_by_tensor_norm_": lambda: ((tensor_list(torch.float64)[1:6], 1.0),),
+    "clip_by_tensor_norm_": lambda: ((tensor_list(torch.float64)[1:6], 1.0), (tensor_list(torch.float32)[1:6], 1.0, "skip")),
 }
 
 

@@ -268,3 +268,37 @@ def test_compiled_training_step_with_grad_clip():
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     for p, q in zip(eager_model.parameters(), compiled_model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("clip", [ClipGradByGlobalNorm(0.1, nonfinite="skip"), ClipGradByNorm(0.1, nonfinite="skip")])
+def test_nonfinite_skip_leaves_gradients_and_skips_the_step(clip):
+    model = torch.nn.Linear(4, 2)
+    optimizer = torchclip.optim.SGD(model.parameters(), lr=0.1, grad_clip=clip)
+    model(torch.randn(3, 4)).sum().backward()
+    model.bias.grad[0] = float("nan")
+    grads = [p.grad.clone() for p in model.parameters()]
+    weights = [p.detach().clone() for p in model.parameters()]
+    optimizer.step()
+    assert optimizer.grad_clip_attachment.skipped_steps == 1
+    assert bool(clip.found_nonfinite) and int(clip.nonfinite_steps) == 1
+    for p, g, w in zip(model.parameters(), grads, weights):
+        assert torch.equal(p.grad.nan_to_num(), g.nan_to_num()) and torch.equal(p.detach(), w)
+    optimizer.zero_grad()
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()  # finite again: clipped and taken
+    assert optimizer.grad_clip_attachment.skipped_steps == 1 and not bool(clip.found_nonfinite)
+    assert not torch.equal(model.weight.detach(), weights[0])
+
+
+def test_nonfinite_raise_and_propagate():
+    model = torch.nn.Linear(4, 2)
+    model(torch.randn(3, 4)).sum().backward()
+    model.weight.grad[0, 0] = float("inf")
+    before = model.bias.grad.clone()
+    with pytest.raises(RuntimeError, match="non-finite"):
+        ClipGradByGlobalNorm(0.1, nonfinite="raise")(model.parameters())
+    assert torch.equal(model.bias.grad, before)
+    ClipGradByGlobalNorm(0.1)(model.parameters())  # propagate: torch's and Paddle's behaviour
+    assert (model.bias.grad == 0).all()  # scaled by 0.1 / inf
+    with pytest.raises(ValueError, match="nonfinite must be one of"):
+        ClipGradByGlobalNorm(0.1, nonfinite="ignore")

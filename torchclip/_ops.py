@@ -147,28 +147,31 @@ def clip_grad_norm_tensors_(
     error_if_nonfinite: bool,
     eps: float = 1e-6,
     norm_at_least_float32: bool = False,
+    nonfinite: str = "propagate",
 ) -> torch.Tensor:
     """Norm and scale of a non-empty gradient list in one call; returns the total norm."""
     return _ops.clip_grad_norm_(
-        grads, float(max_norm), float(norm_type), bool(error_if_nonfinite), float(eps), bool(norm_at_least_float32)
+        grads, float(max_norm), float(norm_type), bool(error_if_nonfinite), float(eps), bool(norm_at_least_float32),
+        nonfinite,
     )
 
 
 @torch.library.register_fake("torchclip::clip_grad_norm_")
-def _clip_grad_norm_fake(grads, max_norm, norm_type, error_if_nonfinite, eps=1e-6, norm_at_least_float32=False):
+def _clip_grad_norm_fake(grads, max_norm, norm_type, error_if_nonfinite, eps=1e-6, norm_at_least_float32=False,
+                         nonfinite="propagate"):
     dtype = _total_norm_dtype(grads)
     if norm_at_least_float32:
         dtype = torch.promote_types(dtype, torch.float32)
     return grads[0].new_empty((), dtype=dtype)
 
 
-def clip_by_tensor_norm_(tensors: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_by_tensor_norm_(tensors: Sequence[torch.Tensor], max_norm: float, nonfinite: str = "propagate") -> torch.Tensor:
     """Each tensor scaled by max_norm / its 2-norm where that exceeds max_norm; returns the norms."""
-    return _ops.clip_by_tensor_norm_(tensors, float(max_norm))
+    return _ops.clip_by_tensor_norm_(tensors, float(max_norm), nonfinite)
 
 
 @torch.library.register_fake("torchclip::clip_by_tensor_norm_")
-def _clip_by_tensor_norm_fake(tensors, max_norm):
+def _clip_by_tensor_norm_fake(tensors, max_norm, nonfinite="propagate"):
     return tensors[0].new_empty((len(tensors),), dtype=torch.float64)
 
 

@@ -59,10 +59,36 @@ def _positive_finite(name: str, value) -> float:
     return number
 
 
+_NONFINITE_POLICIES = ("propagate", "raise", "skip")
+
+
+def _policy(nonfinite) -> str:
+    if nonfinite not in _NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite must be one of {_NONFINITE_POLICIES}, got {nonfinite!r}")
+    return nonfinite
+
+
 class ClipGradBase:
-    """What every clip shares: choosing the gradients to clip and the two call forms."""
+    """What every clip shares: choosing the gradients to clip and the two call forms.
+
+    Norm-based clips take `nonfinite`, what a NaN or inf norm does: "propagate" (scale by it, as torch
+    and Paddle do: the gradients become NaN or zero), "raise" (a RuntimeError, gradients unchanged) or
+    "skip" (gradients unchanged; an optimizer hook then skips the step). `found_nonfinite` (a 0-d bool
+    tensor) says whether the last call met one and `nonfinite_steps` (0-d int64) counts the calls that
+    did, both on the gradients' device, for logging without a host sync.
+    """
 
     _need_clip_predicate: Callable[[Tensor], bool] | None = None
+    nonfinite: str = "propagate"
+    found_nonfinite: Tensor | None = None
+    nonfinite_steps: Tensor | None = None
+
+    def _record(self, norms: Tensor) -> None:
+        """Update found_nonfinite / nonfinite_steps from the last call's norm(s)."""
+        found = ~torch.isfinite(norms).all()
+        self.found_nonfinite = found
+        steps = self.nonfinite_steps
+        self.nonfinite_steps = found.to(torch.int64) + (0 if steps is None else steps.to(found.device))
 
     def _wants(self, param) -> bool:
         if getattr(param, "need_clip", True) is False:  # the same test as the C++ walk's
@@ -137,29 +163,40 @@ class ClipGradByNorm(ClipGradBase):
     `last_norms` holds the last call's per-gradient norms (float64, before clipping).
     """
 
-    def __init__(self, clip_norm: float):
+    def __init__(self, clip_norm: float, *, nonfinite: str = "propagate"):
         self.clip_norm = _positive_finite("clip_norm", clip_norm)
+        self.nonfinite = _policy(nonfinite)
         self.last_norms: Tensor | None = None
 
     def _clip_parameters(self, params):
-        norms = _ops.clip_by_tensor_norm_of_plain_cpu(params, self.clip_norm, honor_need_clip=True)
+        norms = _ops.clip_by_tensor_norm_of_plain_cpu(params, self.clip_norm, honor_need_clip=True,
+                                                      nonfinite=self.nonfinite)
         if norms is not None:
             self.last_norms = norms
+            self._record(norms)
         return norms is not None
 
     def _clip(self, grads):
         if not grads:
             return
         if _ops.all_plain_cpu(grads):
-            self.last_norms = _ops.clip_by_tensor_norm_(grads, self.clip_norm)
+            self.last_norms = _ops.clip_by_tensor_norm_(grads, self.clip_norm, self.nonfinite)
+            self._record(self.last_norms)
             return
-        norms = []
-        for g in grads:
-            norm = torch.linalg.vector_norm(g, 2.0, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
+        norms = torch.stack([
+            torch.linalg.vector_norm(g, 2.0, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
+            .to(grads[0].device, torch.float64) for g in grads])
+        finite = torch.isfinite(norms).all()
+        if self.nonfinite == "raise" and not finite:  # raising needs the answer on the host
+            raise RuntimeError("ClipGradByNorm: a gradient's norm is non-finite (NaN or inf), so it cannot be "
+                               "clipped; no gradient was changed")
+        keep = ~finite if self.nonfinite == "skip" else torch.zeros((), dtype=torch.bool, device=norms.device)
+        for g, norm in zip(grads, norms):
             # As the kernel: unchanged only when norm <= clip_norm, so a NaN norm propagates.
-            g.mul_(torch.where(norm <= self.clip_norm, torch.ones_like(norm), self.clip_norm / norm).to(g.dtype))
-            norms.append(norm.double())
-        self.last_norms = torch.stack(norms)
+            scale = torch.where((norm <= self.clip_norm) | keep, torch.ones_like(norm), self.clip_norm / norm)
+            g.mul_(scale.to(g.device, g.dtype))
+        self.last_norms = norms
+        self._record(norms)
 
     def __repr__(self):
         return f"{type(self).__name__}(clip_norm={self.clip_norm})"
@@ -176,8 +213,10 @@ class ClipGradByGlobalNorm(ClipGradBase):
     share clip_norm (Paddle's rule).
     """
 
-    def __init__(self, clip_norm: float, group_name: str = "default_group", auto_skip_clip: bool = False):
+    def __init__(self, clip_norm: float, group_name: str = "default_group", auto_skip_clip: bool = False, *,
+                 nonfinite: str = "propagate"):
         self.clip_norm = _positive_finite("clip_norm", clip_norm)
+        self.nonfinite = _policy(nonfinite)
         if not isinstance(group_name, str):
             raise TypeError(f"group_name must be a str, got {group_name!r}")
         if not isinstance(auto_skip_clip, bool):
@@ -189,9 +228,11 @@ class ClipGradByGlobalNorm(ClipGradBase):
     def _clip_parameters(self, params):
         # Paddle's formula is torch's with eps = 0: min(clip_norm / global_norm, 1).
         norm = _ops.clip_grad_norm_of_plain_cpu(params, self.clip_norm, 2.0, False, eps=0.0,
-                                                norm_at_least_float32=True, honor_need_clip=True)
+                                                norm_at_least_float32=True, honor_need_clip=True,
+                                                nonfinite=self.nonfinite)
         if norm is not None:
             self.last_global_norm = norm
+            self._record(norm)
         return norm is not None
 
     def _clip(self, grads):
@@ -199,17 +240,25 @@ class ClipGradByGlobalNorm(ClipGradBase):
             return
         if _ops.all_plain_cpu(grads):
             self.last_global_norm = _ops.clip_grad_norm_tensors_(
-                grads, self.clip_norm, 2.0, False, eps=0.0, norm_at_least_float32=True
+                grads, self.clip_norm, 2.0, False, eps=0.0, norm_at_least_float32=True, nonfinite=self.nonfinite
             )
+            self._record(self.last_global_norm)
             return
         wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
         device = grads[0].device
         norms = [torch.linalg.vector_norm(g, 2.0, dtype=wide).to(device) for g in grads]
         global_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        finite = torch.isfinite(global_norm)
+        if self.nonfinite == "raise" and not finite:  # raising needs the answer on the host
+            raise RuntimeError("ClipGradByGlobalNorm: the global norm is non-finite (NaN or inf), so it cannot be "
+                               "clipped; no gradient was changed")
         scale = self.clip_norm / torch.clamp(global_norm, min=self.clip_norm)
+        if self.nonfinite == "skip":
+            scale = torch.where(finite, scale, torch.ones_like(scale))
         for g in grads:
             g.mul_(scale.to(g.device, g.dtype))
         self.last_global_norm = global_norm
+        self._record(global_norm)
 
     def __repr__(self):
         return f"{type(self).__name__}(clip_norm={self.clip_norm}, group_name={self.group_name!r})"

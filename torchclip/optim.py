@@ -4,9 +4,11 @@
     opt = torchclip.optim.with_grad_clip(MyOptimizer)(params, ..., grad_clip=clip)   # any class
     handle = torchclip.optim.attach(existing_optimizer, clip)                        # any instance
 
-The clip runs in a step pre-hook, so it sees what the update will use: with torch.amp.GradScaler the
-gradients are already unscaled there (GradScaler.step unscales first) and a step GradScaler skips for
-inf/NaN is not clipped either. (Fused optimizers that unscale inside their own kernel, fused=True,
+The clip runs when optimizer.step() is called, before the update, so it sees what the update will
+use: with torch.amp.GradScaler the gradients are already unscaled there (GradScaler.step unscales
+first) and a step GradScaler skips for inf/NaN is not clipped either. A clip built with
+nonfinite="skip" that meets a NaN/inf norm leaves the gradients alone and the step is skipped
+(counted in the handle's skipped_steps). (Fused optimizers that unscale inside their own kernel, fused=True,
 need scaler.unscale_(optimizer) before scaler.step for the clip to see unscaled values.)
 
 Which clip a parameter gets: its param group's 'grad_clip' (Paddle's per-group setting), else the
@@ -21,6 +23,7 @@ weights_only mode refuses arbitrary objects); load_state_dict() keeps the optimi
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 
@@ -67,25 +70,47 @@ def _clip_plan(optimizer: torch.optim.Optimizer, default: ClipGradBase | None):
     return list(by_clip.values()) + list(by_group_name.values())
 
 
-def _clip_before_step(optimizer, default):
+def _clip_before_step(optimizer, default) -> bool:
+    """Clip every gradient the plan covers; False when a clip with nonfinite="skip" met a NaN/inf
+    norm, so the step must not run."""
+    proceed = True
     with torch.no_grad():
         for clip, params in _clip_plan(optimizer, default):
             clip(params)
+            if clip.nonfinite == "skip" and clip.found_nonfinite is not None:
+                proceed &= not bool(clip.found_nonfinite)  # one flag read: a sync on accelerators
+    return proceed
 
 
 class _Attachment:
-    """The hooks attach() registers; remove() takes them all off."""
+    """What attach() installs: a wrapper around the instance's step (clip first; skip the step when a
+    "skip" clip met a non-finite norm) and the state_dict hooks. remove() makes the wrapper pass
+    through (it is not unwrapped: an LR scheduler or GradScaler may have wrapped it since)."""
 
     def __init__(self, optimizer, clip):
         self.clip = clip
+        self.skipped_steps = 0  # steps not taken because of a non-finite norm
+        self._active = True
+        original_step = optimizer.step
+        attachment = self
+
+        @functools.wraps(original_step)
+        def step(optimizer, *args, **kwargs):
+            if attachment._active and not _clip_before_step(optimizer, attachment.clip):
+                attachment.skipped_steps += 1
+                return None
+            return original_step(*args, **kwargs)
+
+        # A bound method, as torch's LR schedulers expect (they re-wrap optimizer.step.__func__).
+        optimizer.step = types.MethodType(step, optimizer)
         self._handles = [
-            optimizer.register_step_pre_hook(lambda opt, args, kwargs: _clip_before_step(opt, self.clip)),
             optimizer.register_state_dict_post_hook(_drop_clips_from_state),
             optimizer.register_load_state_dict_pre_hook(_remember_clips),
             optimizer.register_load_state_dict_post_hook(_restore_clips),
         ]
 
     def remove(self):
+        self._active = False
         for handle in self._handles:
             handle.remove()
         self._handles = []

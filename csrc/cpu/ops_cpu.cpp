@@ -6,6 +6,7 @@
 #include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <limits>
@@ -183,6 +184,20 @@ void apply_scales(at::TensorList tensors, const Split& split, const std::vector<
   apply_scales(tensors, split, scales, [&](int64_t i) { return scales[i]; });
 }
 
+// The non-finite policies of the clipping ops (see ops.cpp).
+enum class NonFinite { Propagate, Raise, Skip };
+
+NonFinite parse_nonfinite(c10::string_view name, const char* op) {
+  if (name == "propagate") {
+    return NonFinite::Propagate;
+  }
+  if (name == "raise") {
+    return NonFinite::Raise;
+  }
+  TORCH_CHECK(name == "skip", op, ": nonfinite must be 'propagate', 'raise' or 'skip', got '", std::string(name), "'");
+  return NonFinite::Skip;
+}
+
 // torch's error for error_if_nonfinite, raised from the float64 total: finite gradients whose norm
 // only overflows a 16-bit result dtype are not an error (they can still be clipped exactly).
 void check_finite_total(double total, double norm_type, bool error_if_nonfinite) {
@@ -255,16 +270,18 @@ void multi_tensor_clamp_cpu(at::TensorList tensors, double min, double max) {
 }
 
 at::Tensor clip_grad_norm_cpu(at::TensorList grads, double max_norm, double norm_type, bool error_if_nonfinite,
-    double eps, bool norm_at_least_float32) {
+    double eps, bool norm_at_least_float32, c10::string_view nonfinite) {
   constexpr const char* op = "torchclip.clip_grad_norm_";
+  const NonFinite policy = parse_nonfinite(nonfinite, op);
   const Split split = split_tensors(grads, op);
   check_writable(grads, split, op);
   const std::vector<double> norms = tensor_norms_wide(grads, split, norm_type, op);
   const double total = cpu::total_norm(norms.data(), static_cast<int64_t>(norms.size()), cpu::norm_order(norm_type));
-  check_finite_total(total, norm_type, error_if_nonfinite);
+  check_finite_total(total, norm_type, error_if_nonfinite || policy == NonFinite::Raise);
   // torch's coefficient, max_norm / (total_norm + eps) clamped to at most 1, but from the float64 norm.
   // std::min keeps a NaN coefficient NaN, as torch.clamp does; a zero norm with eps = 0 gives 1.
-  const double coefficient = std::min(max_norm * (1.0 / (total + eps)), 1.0);
+  const bool skip = policy == NonFinite::Skip && !std::isfinite(total);
+  const double coefficient = skip ? 1.0 : std::min(max_norm * (1.0 / (total + eps)), 1.0);
   apply_scales(grads, split, std::vector<double>(grads.size(), coefficient));
   at::ScalarType dtype = grads.empty() ? at::kFloat : total_norm_dtype(split);
   if (norm_at_least_float32) {
@@ -273,13 +290,17 @@ at::Tensor clip_grad_norm_cpu(at::TensorList grads, double max_norm, double norm
   return scalar_in_dtype(total, dtype);
 }
 
-at::Tensor clip_by_tensor_norm_cpu(at::TensorList tensors, double max_norm) {
+at::Tensor clip_by_tensor_norm_cpu(at::TensorList tensors, double max_norm, c10::string_view nonfinite) {
   constexpr const char* op = "torchclip.clip_by_tensor_norm_";
+  const NonFinite policy = parse_nonfinite(nonfinite, op);
   const Split split = split_tensors(tensors, op);
   check_writable(tensors, split, op);
   const std::vector<double> norms = tensor_norms_wide(tensors, split, 2.0, op);
-  std::vector<double> scales(norms.size());
-  for (size_t i = 0; i < norms.size(); ++i) {
+  const bool any_nonfinite = std::any_of(norms.begin(), norms.end(), [](double n) { return !std::isfinite(n); });
+  TORCH_CHECK(!(any_nonfinite && policy == NonFinite::Raise), op, ": a gradient's norm is non-finite (NaN or inf), "
+      "so it cannot be clipped; no gradient was changed");
+  std::vector<double> scales(norms.size(), 1.0);
+  for (size_t i = 0; i < norms.size() && !(any_nonfinite && policy == NonFinite::Skip); ++i) {
     // Unchanged when norm <= max_norm; otherwise max_norm / norm (NaN for a NaN norm: propagated).
     scales[i] = norms[i] <= max_norm ? 1.0 : max_norm / norms[i];
   }

@@ -55,7 +55,7 @@ int main(int argc, char** argv) {
                      .typed<std::tuple<at::Tensor, at::Tensor>(at::TensorList, double, bool)>();
   auto clip_op = c10::Dispatcher::singleton()
                      .findSchemaOrThrow("torchclip::clip_grad_norm_", "")
-                     .typed<at::Tensor(at::TensorList, double, double, bool, double, bool)>();
+                     .typed<at::Tensor(at::TensorList, double, double, bool, double, bool, c10::string_view)>();
   auto clamp_op = c10::Dispatcher::singleton()
                       .findSchemaOrThrow("torchclip::multi_tensor_clamp_", "")
                       .typed<void(at::TensorList, double, double)>();
@@ -77,7 +77,7 @@ int main(int argc, char** argv) {
       for (const auto& t : tensors) {
         expected.push_back(t.to(at::kDouble) * std::min(1.0 / (total + 1e-6), 1.0));
       }
-      clip_op.call(tensors, 1.0, 2.0, false, 1e-6, false);
+      clip_op.call(tensors, 1.0, 2.0, false, 1e-6, false, "propagate");
       bool close = true;
       for (size_t i = 0; i < tensors.size(); ++i) {
         close &= at::allclose(tensors[i].to(at::kDouble), expected[i], tolerance, 1e-7);
