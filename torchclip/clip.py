@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from torchclip import _ops
+from torchclip import _ops, _sparse
 
 __all__ = [
     "ClipGradBase",
@@ -60,6 +60,14 @@ def _positive_finite(name: str, value) -> float:
 
 
 _NONFINITE_POLICIES = ("propagate", "raise", "skip")
+
+
+def _norm(g: Tensor) -> Tensor:
+    """A gradient's L2 norm on the general path (other devices, subclasses, sparse COO), accumulated
+    in at least float32."""
+    if _sparse.is_sparse(g):
+        return _sparse.norm64(g, 2.0)
+    return torch.linalg.vector_norm(g, 2.0, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
 
 
 def _policy(nonfinite) -> str:
@@ -150,7 +158,10 @@ class ClipGradByValue(ClipGradBase):
             _ops.multi_tensor_clamp_(grads, self.min, self.max)
         else:
             for g in grads:
-                g.clamp_(self.min, self.max)
+                if _sparse.is_sparse(g):
+                    _sparse.clamp_(g, self.min, self.max)
+                else:
+                    g.clamp_(self.min, self.max)
 
     def __repr__(self):
         return f"{type(self).__name__}(min={self.min}, max={self.max})"
@@ -183,9 +194,7 @@ class ClipGradByNorm(ClipGradBase):
             self.last_norms = _ops.clip_by_tensor_norm_(grads, self.clip_norm, self.nonfinite)
             self._record(self.last_norms)
             return
-        norms = torch.stack([
-            torch.linalg.vector_norm(g, 2.0, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
-            .to(grads[0].device, torch.float64) for g in grads])
+        norms = torch.stack([_norm(g).to(grads[0].device, torch.float64) for g in grads])
         finite = torch.isfinite(norms).all()
         if self.nonfinite == "raise" and not finite:  # raising needs the answer on the host
             raise RuntimeError("ClipGradByNorm: a gradient's norm is non-finite (NaN or inf), so it cannot be "
@@ -246,7 +255,7 @@ class ClipGradByGlobalNorm(ClipGradBase):
             return
         wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
         device = grads[0].device
-        norms = [torch.linalg.vector_norm(g, 2.0, dtype=wide).to(device) for g in grads]
+        norms = [_norm(g).to(device, wide) for g in grads]
         global_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
         finite = torch.isfinite(global_norm)
         if self.nonfinite == "raise" and not finite:  # raising needs the answer on the host

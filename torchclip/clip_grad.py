@@ -13,6 +13,8 @@ Where torchclip differs, on purpose, it is more accurate, never less:
   returns still has torch's dtype, so it reads inf there, as torch's does.
 * error_if_nonfinite raises when the gradients' norm is NaN or inf (a NaN or inf in them), not when a
   finite norm merely overflows a 16-bit result dtype.
+* Sparse COO gradients (nn.Embedding(sparse=True)) are clipped: norms of the coalesced values,
+  scaling in place (torch raises NotImplementedError).
 * clip_grad_value_ with every gradient None does nothing (torch raises an internal error), and a
   clip_value beyond float16's range clamps float16 gradients as the maths says (torch raises "value
   cannot be converted to type c10::Half without overflow").
@@ -37,7 +39,7 @@ from torch import Tensor
 from torch.nn.utils import clip_grad as _torch_clip_grad
 from typing_extensions import deprecated
 
-from torchclip import _ops
+from torchclip import _ops, _sparse
 
 _tensor_or_tensors = Tensor | Iterable[Tensor]
 
@@ -112,7 +114,35 @@ def get_total_norm(
         total_norm, _ = _ops.multi_tensor_norm(tensors, norm_type, error_if_nonfinite)
         return total_norm
     _check_tensors(tensors, "tensors")
+    if any(_sparse.is_sparse(t) for t in tensors):
+        total_wide, dtype = _total_norm_with_sparse(tensors, norm_type, error_if_nonfinite)
+        return total_wide.to(dtype)
     return _torch_get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
+
+
+def _total_norm_with_sparse(tensors: list[Tensor], norm_type: float, error_if_nonfinite: bool):
+    """(total norm in float64 on the first tensor's device, torch's result dtype) of a list holding
+    sparse COO tensors, by torch's definition: the norm of the per-tensor norms."""
+    device = tensors[0].device
+    norms = []
+    for t in tensors:
+        if _sparse.is_sparse(t):
+            norms.append(_sparse.norm64(t, norm_type).to(device))
+        elif _ops.all_plain_cpu([t]) and t.numel() > 0:
+            norms.append(_ops.multi_tensor_norm([t], norm_type)[1][0].to(device))
+        else:
+            norms.append(torch.linalg.vector_norm(t.abs().to(torch.float64), norm_type).to(device))
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+            "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            "`error_if_nonfinite=False`"
+        )
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return total, dtype.to_real() if dtype.is_complex else dtype
 
 
 @torch.no_grad()
@@ -176,6 +206,12 @@ def clip_grad_norm_(
         return _ops.clip_grad_norm_tensors_(
             grads, _as_number("max_norm", max_norm), _as_number("norm_type", norm_type), error_if_nonfinite
         )
+    if any(_sparse.is_sparse(g) for g in grads):
+        total_wide, dtype = _total_norm_with_sparse(grads, _as_number("norm_type", norm_type), error_if_nonfinite)
+        coefficient = torch.clamp(_as_number("max_norm", max_norm) / (total_wide + 1e-6), max=1.0)
+        for g in grads:  # scaling the stored values of a sparse gradient scales its sums too
+            g.mul_(coefficient.to(g.device))
+        return total_wide.to(dtype)
     # Other devices, subclasses, sparse gradients, or none at all: torch's composition.
     total_norm = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
     clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
@@ -218,6 +254,13 @@ def clip_grad_value_(
         return None
     if _ops.all_plain_cpu(grads):
         _ops.multi_tensor_clamp_(grads, -clip_value, clip_value)
+        return None
+    if any(_sparse.is_sparse(g) for g in grads):
+        for g in grads:
+            if _sparse.is_sparse(g):
+                _sparse.clamp_(g, -clip_value, clip_value)
+            else:
+                g.clamp_(-clip_value, clip_value)
         return None
     return _torch_clip_grad_value_(parameters, clip_value, foreach)
 
