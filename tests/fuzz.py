@@ -24,7 +24,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from testing import DTYPES, NORM_RTOL, reference_norm  # noqa: E402
 
 import torchclip  # noqa: E402
-from torchclip import _ops  # noqa: E402
 
 SPECIALS = ["nan", "inf", "-inf", "zero", "-zero", "subnormal", "max", "-max", "tiny"]
 
