@@ -124,15 +124,15 @@ def _total_norm_with_sparse(tensors: list[Tensor], norm_type: float, error_if_no
     """(total norm in float64 on the first tensor's device, torch's result dtype) of a list holding
     sparse COO tensors, by torch's definition: the norm of the per-tensor norms."""
     device = tensors[0].device
-    norms = []
-    for t in tensors:
-        if _sparse.is_sparse(t):
-            norms.append(_sparse.norm64(t, norm_type).to(device))
-        elif _ops.all_plain_cpu([t]) and t.numel() > 0:
-            norms.append(_ops.multi_tensor_norm([t], norm_type)[1][0].to(device))
-        else:
-            norms.append(torch.linalg.vector_norm(t.abs().to(torch.float64), norm_type).to(device))
-    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    sparse = [t for t in tensors if _sparse.is_sparse(t)]
+    dense = [t for t in tensors if not _sparse.is_sparse(t)]
+    kernel_served = _ops.all_plain_cpu(dense) and all(t.numel() > 0 for t in dense)
+    norms = [_sparse.norm64(t, norm_type).to(device) for t in sparse]
+    if dense and kernel_served:  # one kernel call for all the dense ones
+        norms.append(_ops.multi_tensor_norm(dense, norm_type)[1].to(device))
+    else:
+        norms += [torch.linalg.vector_norm(t.abs().to(torch.float64), norm_type).to(device) for t in dense]
+    total = torch.linalg.vector_norm(torch.cat([n.reshape(-1) for n in norms]), norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
