@@ -51,7 +51,10 @@ def test_signature_matches_torch(name):
     def shape(function):  # names, kinds and defaults (annotations are strings on our side)
         return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
 
-    assert shape(getattr(torchclip, name)) == shape(getattr(torch.nn.utils, name))
+    ours, theirs = shape(getattr(torchclip, name)), shape(getattr(torch.nn.utils, name))
+    assert ours[: len(theirs)] == theirs
+    # torchclip's additions (process_group) are keyword-only with a default: every torch call still fits
+    assert all(kind == inspect.Parameter.KEYWORD_ONLY and default is None for _, kind, default in ours[len(theirs):])
 
 
 # ---- clip_grad_norm_ ------------------------------------------------------------------------------

@@ -94,6 +94,8 @@ def get_total_norm(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    *,
+    process_group=None,
 ) -> Tensor:
     r"""The norm of an iterable of tensors, as if they were concatenated into one vector.
 
@@ -101,9 +103,16 @@ def get_total_norm(
     the inputs' dtypes) and lives on the first tensor's device; an empty input gives ``tensor(0.)``.
     ``norm_type`` may be any float torch accepts (``'inf'`` included); 1, 2 and inf take the fast
     kernels. ``error_if_nonfinite=True`` raises when the norm is NaN or inf.
+
+    ``process_group`` (torchclip only): the tensors are this rank's shard of the group's; the result
+    is the norm of all of them, the same on every rank (see torchclip.distributed).
     """
     tensors = _as_list(tensors)
     norm_type = _as_number("norm_type", norm_type)
+    if process_group is not None:
+        _check_tensors(tensors, "tensors")
+        total = _sharded_norm([(t, t) for t in tensors], norm_type, process_group, error_if_nonfinite)
+        return total.to(_result_dtype(tensors))
     if len(tensors) == 0:
         return torch.tensor(0.0)
     if not torch.compiler.is_compiling():
@@ -120,6 +129,35 @@ def get_total_norm(
     return _torch_get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
 
 
+def _result_dtype(tensors: list[Tensor]) -> torch.dtype:
+    """torch's dtype for a total norm: the promotion of the inputs' dtypes, real for complex."""
+    if not tensors:
+        return torch.float32
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype.to_real() if dtype.is_complex else dtype
+
+
+def _check_finite(total: Tensor, norm_type: float, error_if_nonfinite: bool) -> None:
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+            "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            "`error_if_nonfinite=False`"
+        )
+
+
+def _sharded_norm(params_and_grads, norm_type: float, process_group, error_if_nonfinite: bool) -> Tensor:
+    from torchclip.distributed import sharded_total_norm
+
+    if not _ops.all_plain_cpu([g for _, g in params_and_grads]):
+        raise ValueError("process_group: sharded clipping runs on plain strided CPU gradients (gloo) for now")
+    total = sharded_total_norm(params_and_grads, norm_type, process_group)
+    _check_finite(total, norm_type, error_if_nonfinite)
+    return total
+
+
 def _total_norm_with_sparse(tensors: list[Tensor], norm_type: float, error_if_nonfinite: bool):
     """(total norm in float64 on the first tensor's device, torch's result dtype) of a list holding
     sparse COO tensors, by torch's definition: the norm of the per-tensor norms."""
@@ -133,16 +171,8 @@ def _total_norm_with_sparse(tensors: list[Tensor], norm_type: float, error_if_no
     else:
         norms += [torch.linalg.vector_norm(t.abs().to(torch.float64), norm_type).to(device) for t in dense]
     total = torch.linalg.vector_norm(torch.cat([n.reshape(-1) for n in norms]), norm_type)
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(
-            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
-            "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
-            "`error_if_nonfinite=False`"
-        )
-    dtype = tensors[0].dtype
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return total, dtype.to_real() if dtype.is_complex else dtype
+    _check_finite(total, norm_type, error_if_nonfinite)
+    return total, _result_dtype(tensors)
 
 
 @torch.no_grad()
@@ -178,6 +208,8 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    *,
+    process_group=None,
 ) -> Tensor:
     r"""Clip the gradient norm of an iterable of parameters, in place; return the total norm.
 
@@ -186,6 +218,9 @@ def clip_grad_norm_(
     check and the scaling are one native call, the coefficient comes from the float64 norm, and the
     write pass is skipped when no clipping is needed. See the module docstring for where this is more
     accurate than torch.
+
+    ``process_group`` (torchclip only): the parameters are this rank's shard; every rank gets the
+    global norm and clips with the same coefficient, at the cost of one all_gather of one scalar.
     """
     if isinstance(parameters, Tensor):
         parameters = [parameters]
@@ -195,6 +230,14 @@ def clip_grad_norm_(
         if is_generator and len(parameters) == 0:
             # stacklevel 3: this function, torch.no_grad's wrapper, then the caller (as torch's).
             warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=3)
+    if process_group is not None:
+        grads = _grads(parameters)
+        pairs = [(p, p.grad) for p in parameters if p.grad is not None]
+        total = _sharded_norm(pairs, _as_number("norm_type", norm_type), process_group, error_if_nonfinite)
+        if grads:
+            coefficient = torch.clamp(_as_number("max_norm", max_norm) / (total + 1e-6), max=1.0)
+            _ops.multi_tensor_scale_(grads, coefficient)
+        return total.to(_result_dtype(grads))
     if not torch.compiler.is_compiling():
         total_norm = _ops.clip_grad_norm_of_plain_cpu(
             parameters, _as_number("max_norm", max_norm), _as_number("norm_type", norm_type), bool(error_if_nonfinite)

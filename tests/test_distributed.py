@@ -1,0 +1,89 @@
+"""Sharded gradients on torch.distributed (gloo, 2 and 4 processes): the same global norm and the
+same clipped gradients on every rank as single-process clipping of the full gradient list."""
+
+import math
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import torchclip
+from torchclip.distributed import set_replicated
+
+SHAPES = [(64, 32), (32,), (128, 7), (5,), (1000,), (3, 3, 3)]
+REPLICATED = [(16,), (4, 4)]  # present whole on every rank (biases, norms under tensor parallelism)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def full_gradients():
+    generator = torch.Generator().manual_seed(0)
+    sharded = [torch.randn(s, generator=generator) for s in SHAPES]
+    replicated = [torch.randn(s, generator=generator) for s in REPLICATED]
+    return sharded, replicated
+
+
+def rank_parameters(rank, world):
+    """Round-robin whole tensors, plus a ZeRO-style flat slice of the largest one on every rank."""
+    sharded, replicated = full_gradients()
+    params, pieces = [], []
+    for i, g in enumerate(sharded):
+        if g.numel() == 1000:  # split evenly across ranks (ZeRO-style flat shards)
+            piece = g.chunk(world)[rank]
+            pieces.append(("slice", i, rank))
+        elif i % world == rank:
+            piece = g
+            pieces.append(("whole", i, None))
+        else:
+            continue
+        p = torch.nn.Parameter(torch.zeros_like(piece))
+        p.grad = piece.clone()
+        params.append(p)
+    for j, g in enumerate(replicated):
+        p = torch.nn.Parameter(torch.zeros_like(g))
+        p.grad = g.clone()
+        set_replicated(p)
+        params.append(p)
+        pieces.append(("replicated", j, None))
+    return params, pieces
+
+
+def worker(rank, world, port, norm_type, max_norm):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        params, pieces = rank_parameters(rank, world)
+        sharded, replicated = full_gradients()
+        reference = [torch.nn.Parameter(torch.zeros_like(g)) for g in sharded + replicated]
+        for p, g in zip(reference, sharded + replicated):
+            p.grad = g.clone()
+        # get_total_norm over the sharded tensors only (no replicated ones to count once)
+        sharded_only = [p.grad for p, (kind, _, _) in zip(params, pieces) if kind != "replicated"]
+        norm_only = torchclip.get_total_norm(sharded_only, norm_type, process_group=dist.group.WORLD)
+        expected_norm_only = torchclip.get_total_norm(sharded, norm_type)
+        torch.testing.assert_close(norm_only, expected_norm_only, rtol=1e-6, atol=0)
+        expected_total = torchclip.clip_grad_norm_(reference, max_norm, norm_type)
+        total = torchclip.clip_grad_norm_(params, max_norm, norm_type, process_group=dist.group.WORLD)
+        torch.testing.assert_close(total, expected_total, rtol=1e-6, atol=0)
+        for p, (kind, index, shard) in zip(params, pieces):
+            if kind == "whole":
+                expected = reference[index].grad
+            elif kind == "slice":
+                expected = reference[index].grad.chunk(world)[shard]
+            else:
+                expected = reference[len(SHAPES) + index].grad
+            torch.testing.assert_close(p.grad, expected, rtol=1e-6, atol=1e-9)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+# (p = 0 counts tensors, and a ZeRO slice is one more tensor: sharding changes that count by design.)
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf, 3.0])
+def test_sharded_clipping_equals_single_process_clipping(world, norm_type):
+    mp.spawn(worker, args=(world, free_port(), norm_type, 0.5), nprocs=world, join=True)
