@@ -78,6 +78,16 @@ def worker(rank, world, port, norm_type, max_norm):
             else:
                 expected = reference[len(SHAPES) + index].grad
             torch.testing.assert_close(p.grad, expected, rtol=1e-6, atol=1e-9)
+        # The Paddle class with a process group: Paddle's formula over the same global norm.
+        params, _ = rank_parameters(rank, world)
+        clip = torchclip.ClipGradByGlobalNorm(0.5, process_group=dist.group.WORLD)
+        clip(params)
+        expected_global = torchclip.get_total_norm(sharded + replicated)
+        torch.testing.assert_close(clip.last_global_norm, expected_global, rtol=1e-6, atol=0)
+        scale = min(0.5 / expected_global.item(), 1.0)
+        fresh, _ = rank_parameters(rank, world)
+        for p, q in zip(params, fresh):
+            torch.testing.assert_close(p.grad, q.grad * scale, rtol=1e-6, atol=1e-9)
     finally:
         dist.destroy_process_group()
 

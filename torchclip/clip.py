@@ -223,9 +223,12 @@ class ClipGradByGlobalNorm(ClipGradBase):
     """
 
     def __init__(self, clip_norm: float, group_name: str = "default_group", auto_skip_clip: bool = False, *,
-                 nonfinite: str = "propagate"):
+                 nonfinite: str = "propagate", process_group=None):
         self.clip_norm = _positive_finite("clip_norm", clip_norm)
         self.nonfinite = _policy(nonfinite)
+        # torchclip's addition: the gradients are this rank's shard of the group's (see
+        # torchclip.distributed); every rank then clips by the same global norm.
+        self.process_group = process_group
         if not isinstance(group_name, str):
             raise TypeError(f"group_name must be a str, got {group_name!r}")
         if not isinstance(auto_skip_clip, bool):
@@ -233,6 +236,30 @@ class ClipGradByGlobalNorm(ClipGradBase):
         self.group_name = group_name
         self.auto_skip_clip = auto_skip_clip
         self.last_global_norm: Tensor | None = None
+
+    def __call__(self, params_grads):
+        if self.process_group is None:
+            return super().__call__(params_grads)
+        if isinstance(params_grads, Tensor):
+            params_grads = [params_grads]
+        items = list(params_grads)
+        pairs_form = bool(items) and isinstance(items[0], (tuple, list))
+        pairs = [(p, g) for p, g in items if g is not None] if pairs_form else [
+            (p, p.grad) for p in items if p.grad is not None]
+        self._clip_shard([(p, g) for p, g in pairs if self._wants(p)])
+        return pairs if pairs_form else None
+
+    def _clip_shard(self, pairs) -> None:
+        from torchclip.clip_grad import _sharded_norm
+
+        global_norm = _sharded_norm(pairs, 2.0, self.process_group, self.nonfinite == "raise")
+        self._record(global_norm)
+        self.last_global_norm = global_norm.to(torch.float32)
+        if self.nonfinite == "skip" and not torch.isfinite(global_norm):
+            return
+        grads = [g for _, g in pairs]
+        if grads:
+            _ops.multi_tensor_scale_(grads, torch.clamp(self.clip_norm / global_norm, max=1.0))
 
     def _clip_parameters(self, params):
         # Paddle's formula is torch's with eps = 0: min(clip_norm / global_norm, 1).
