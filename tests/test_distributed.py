@@ -97,3 +97,36 @@ def worker(rank, world, port, norm_type, max_norm):
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf, 3.0])
 def test_sharded_clipping_equals_single_process_clipping(world, norm_type):
     mp.spawn(worker, args=(world, free_port(), norm_type, 0.5), nprocs=world, join=True)
+
+
+def dtensor_worker(rank, world, port):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        sharded, replicated = full_gradients()
+        full = sharded + replicated
+        placements = [Shard(0)] * len(sharded) + [Replicate()] * len(replicated)
+        params = []
+        for g, placement in zip(full, placements):
+            p = torch.nn.Parameter(distribute_tensor(torch.zeros_like(g), mesh, [placement]))
+            p.grad = distribute_tensor(g.clone(), mesh, [placement])
+            params.append(p)
+        reference = [torch.nn.Parameter(torch.zeros_like(g)) for g in full]
+        for p, g in zip(reference, full):
+            p.grad = g.clone()
+        expected_total = torchclip.clip_grad_norm_(reference, 0.5)
+        total = torchclip.clip_grad_norm_(params, 0.5)  # DTensor gradients: no process_group needed
+        assert type(total) is torch.Tensor  # a plain tensor: .item() is the global value on every rank
+        torch.testing.assert_close(total, expected_total, rtol=1e-6, atol=0)
+        for p, q in zip(params, reference):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-9)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dtensor_gradients_are_clipped_on_their_local_shards(world):
+    mp.spawn(dtensor_worker, args=(world, free_port()), nprocs=world, join=True)

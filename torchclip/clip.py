@@ -251,8 +251,10 @@ class ClipGradByGlobalNorm(ClipGradBase):
 
     def _clip_shard(self, pairs) -> None:
         from torchclip.clip_grad import _sharded_norm
+        from torchclip.distributed import is_replicated
 
-        global_norm = _sharded_norm(pairs, 2.0, self.process_group, self.nonfinite == "raise")
+        global_norm = _sharded_norm([g for _, g in pairs], [is_replicated(p) for p, _ in pairs], 2.0,
+                                    self.process_group, self.nonfinite == "raise")
         self._record(global_norm)
         self.last_global_norm = global_norm.to(torch.float32)
         if self.nonfinite == "skip" and not torch.isfinite(global_norm):

@@ -111,7 +111,8 @@ def get_total_norm(
     norm_type = _as_number("norm_type", norm_type)
     if process_group is not None:
         _check_tensors(tensors, "tensors")
-        total = _sharded_norm([(t, t) for t in tensors], norm_type, process_group, error_if_nonfinite)
+        replicated = [_distributed().is_replicated(t) for t in tensors]
+        total = _sharded_norm(tensors, replicated, norm_type, process_group, error_if_nonfinite)
         return total.to(_result_dtype(tensors))
     if len(tensors) == 0:
         return torch.tensor(0.0)
@@ -127,6 +128,16 @@ def get_total_norm(
         total_wide, dtype = _total_norm_with_sparse(tensors, norm_type, error_if_nonfinite)
         return total_wide.to(dtype)
     return _torch_get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
+
+
+def _distributed_available() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _distributed():
+    from torchclip import distributed  # imported on use: torch.distributed is heavy and optional
+
+    return distributed
 
 
 def _result_dtype(tensors: list[Tensor]) -> torch.dtype:
@@ -148,14 +159,22 @@ def _check_finite(total: Tensor, norm_type: float, error_if_nonfinite: bool) -> 
         )
 
 
-def _sharded_norm(params_and_grads, norm_type: float, process_group, error_if_nonfinite: bool) -> Tensor:
+def _sharded_norm(grads, replicated, norm_type: float, process_group, error_if_nonfinite: bool) -> Tensor:
     from torchclip.distributed import sharded_total_norm
 
-    if not _ops.all_plain_cpu([g for _, g in params_and_grads]):
+    if not _ops.all_plain_cpu(grads):
         raise ValueError("process_group: sharded clipping runs on plain strided CPU gradients (gloo) for now")
-    total = sharded_total_norm(params_and_grads, norm_type, process_group)
+    total = sharded_total_norm(grads, replicated, norm_type, process_group)
     _check_finite(total, norm_type, error_if_nonfinite)
     return total
+
+
+def _clip_shards(grads, replicated, max_norm, norm_type, process_group, error_if_nonfinite, result_dtype) -> Tensor:
+    """clip_grad_norm_ over this rank's shards: one collective, the same coefficient on every rank."""
+    total = _sharded_norm(grads, replicated, _as_number("norm_type", norm_type), process_group, error_if_nonfinite)
+    if grads:
+        _ops.multi_tensor_scale_(grads, torch.clamp(_as_number("max_norm", max_norm) / (total + 1e-6), max=1.0))
+    return total.to(result_dtype)
 
 
 def _total_norm_with_sparse(tensors: list[Tensor], norm_type: float, error_if_nonfinite: bool):
@@ -232,12 +251,9 @@ def clip_grad_norm_(
             warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=3)
     if process_group is not None:
         grads = _grads(parameters)
-        pairs = [(p, p.grad) for p in parameters if p.grad is not None]
-        total = _sharded_norm(pairs, _as_number("norm_type", norm_type), process_group, error_if_nonfinite)
-        if grads:
-            coefficient = torch.clamp(_as_number("max_norm", max_norm) / (total + 1e-6), max=1.0)
-            _ops.multi_tensor_scale_(grads, coefficient)
-        return total.to(_result_dtype(grads))
+        replicated = [_distributed().is_replicated(p) for p in parameters if p.grad is not None]
+        return _clip_shards(grads, replicated, max_norm, norm_type, process_group, error_if_nonfinite,
+                            _result_dtype(grads))
     if not torch.compiler.is_compiling():
         total_norm = _ops.clip_grad_norm_of_plain_cpu(
             parameters, _as_number("max_norm", max_norm), _as_number("norm_type", norm_type), bool(error_if_nonfinite)
@@ -249,6 +265,10 @@ def clip_grad_norm_(
         return _ops.clip_grad_norm_tensors_(
             grads, _as_number("max_norm", max_norm), _as_number("norm_type", norm_type), error_if_nonfinite
         )
+    shards = _distributed().dtensor_shards(grads) if _distributed_available() else None
+    if shards is not None:  # FSDP2 / DTensor gradients: their local shards, one collective
+        local, replicated, group = shards
+        return _clip_shards(local, replicated, max_norm, norm_type, group, error_if_nonfinite, _result_dtype(grads))
     if any(_sparse.is_sparse(g) for g in grads):
         total_wide, dtype = _total_norm_with_sparse(grads, _as_number("norm_type", norm_type), error_if_nonfinite)
         coefficient = torch.clamp(_as_number("max_norm", max_norm) / (total_wide + 1e-6), max=1.0)

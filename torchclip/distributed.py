@@ -56,11 +56,44 @@ def _combine(totals: Tensor, norm_type: float) -> Tensor:
     return total
 
 
-def sharded_total_norm(params_and_grads: list[tuple[Tensor, Tensor]], norm_type: float, process_group) -> Tensor:
-    """The global norm (float64, CPU, the same on every rank) of gradients sharded over the group."""
+def is_replicated(param) -> bool:
+    return bool(getattr(param, _REPLICATED, False))
+
+
+def sharded_total_norm(grads: list[Tensor], replicated: list[bool], norm_type: float, process_group) -> Tensor:
+    """The global norm (float64, CPU, the same on every rank) of gradients sharded over the group;
+    replicated[i] says grads[i] is whole on every rank (counted by the group's first rank only)."""
     first = dist.get_rank(process_group) == 0
-    counted = [g for p, g in params_and_grads if first or not getattr(p, _REPLICATED, False)]
+    counted = [g for g, whole in zip(grads, replicated) if first or not whole]
     local = _local_total64(counted, norm_type)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(process_group))]
     dist.all_gather(gathered, local, group=process_group)
     return _combine(torch.stack(gathered), norm_type)
+
+
+# ---- DTensor gradients (FSDP2 fully_shard, torch.distributed.tensor) ----------------------------------
+
+
+def dtensor_shards(grads: list[Tensor]):
+    """(local tensors, replicated flags, process group) when every gradient is a DTensor on one 1-D
+    mesh with Shard or Replicate placements; None otherwise (torch's own DTensor path serves those).
+
+    Working on the local shards costs one Python step per gradient and one collective in all, where
+    torch's DTensor path dispatches every per-parameter op through DTensor's sharding propagation."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return None
+    if not grads or not all(type(g) is DTensor for g in grads):
+        return None
+    mesh = grads[0].device_mesh
+    if mesh.ndim != 1 or any(g.device_mesh != mesh for g in grads):
+        return None
+    locals_, replicated = [], []
+    for g in grads:
+        placement = g.placements[0]
+        if not (placement.is_shard() or placement.is_replicate()):
+            return None  # Partial: pending reductions, not gradients yet
+        locals_.append(g._local_tensor)
+        replicated.append(placement.is_replicate())
+    return locals_, replicated, mesh.get_group()
