@@ -130,3 +130,31 @@ def dtensor_worker(rank, world, port):
 @pytest.mark.parametrize("world", [2, 4])
 def test_dtensor_gradients_are_clipped_on_their_local_shards(world):
     mp.spawn(dtensor_worker, args=(world, free_port()), nprocs=world, join=True)
+
+
+def ddp_worker(rank, world, port):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        generator = torch.Generator().manual_seed(rank)  # each rank its own batch
+        ddp(torch.randn(4, 8, generator=generator)).pow(2).sum().backward()
+        twins = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+        for t, p in zip(twins, model.parameters()):
+            t.grad = p.grad.clone()
+        # DDP all-reduced the gradients: plain clipping, no process_group, agrees with torch on every rank
+        total = torchclip.clip_grad_norm_(model.parameters(), 0.1)
+        expected = torch.nn.utils.clip_grad_norm_(twins, 0.1)
+        torch.testing.assert_close(total, expected, rtol=1e-5, atol=0)
+        gathered = [torch.zeros(()) for _ in range(world)]
+        dist.all_gather(gathered, total)
+        assert all(torch.equal(g, total) for g in gathered)  # the same on every rank
+        for t, p in zip(twins, model.parameters()):
+            torch.testing.assert_close(p.grad, t.grad, rtol=1e-5, atol=1e-8)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_gradients_need_no_process_group():
+    mp.spawn(ddp_worker, args=(2, free_port()), nprocs=2, join=True)
