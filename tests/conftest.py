@@ -7,6 +7,13 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torchclip  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# CI runs the same hypothesis examples every time (a red CI then means a change broke something, not
+# that the draw was unlucky); the long fuzz campaign, tests/fuzz.py, draws new cases on every run.
+settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture(params=torchclip.cpu_capabilities())

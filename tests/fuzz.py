@@ -152,10 +152,10 @@ CASE = dict(
 )
 
 
-def campaign(cases: int) -> int:
+def campaign(cases: int, derandomize: bool = False) -> int:
     count = 0
 
-    @settings(max_examples=cases, deadline=None, database=None,
+    @settings(max_examples=cases, deadline=None, database=None, derandomize=derandomize,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(**CASE)
     def property_holds(grads, op, norm_type, bound, capability):

@@ -1,7 +1,10 @@
 """A short fuzz campaign in CI; `python tests/fuzz.py --cases 100000` is the long one."""
 
+import os
+
 import fuzz
 
 
 def test_short_fuzz_campaign():
-    assert fuzz.campaign(400) >= 400
+    # Fixed cases under CI (see conftest.py); new ones on every local run.
+    assert fuzz.campaign(400, derandomize=bool(os.environ.get("CI"))) >= 400
