@@ -2,7 +2,7 @@
 same clipped gradients on every rank as single-process clipping of the full gradient list."""
 
 import math
-import socket
+import os
 
 import pytest
 import torch
@@ -16,10 +16,21 @@ SHAPES = [(64, 32), (32,), (128, 7), (5,), (1000,), (3, 3, 3)]
 REPLICATED = [(16,), (4, 4)]  # present whole on every rank (biases, norms under tensor parallelism)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def spawn(worker, world, *args):
+    mp.spawn(_run_and_exit, args=(worker, world, *args), nprocs=world, join=True)
+
+
+def _run_and_exit(rank, worker, world, *args):
+    worker(rank, world, *args)
+    # Passed: leave without interpreter teardown, where gloo's threads sometimes abort the process
+    # ("terminate called without an active exception") after the test's work is done. A failure
+    # raises above and reaches spawn as usual.
+    os._exit(0)
+
+
+def rendezvous(tmp_path):
+    """A file-based rendezvous: no TCP port to race for between picking it and binding it."""
+    return f"file://{tmp_path / 'rendezvous'}"
 
 
 def full_gradients():
@@ -54,8 +65,8 @@ def rank_parameters(rank, world):
     return params, pieces
 
 
-def worker(rank, world, port, norm_type, max_norm):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def worker(rank, world, init_method, norm_type, max_norm):
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     try:
         params, pieces = rank_parameters(rank, world)
         sharded, replicated = full_gradients()
@@ -95,15 +106,15 @@ def worker(rank, world, port, norm_type, max_norm):
 @pytest.mark.parametrize("world", [2, 4])
 # (p = 0 counts tensors, and a ZeRO slice is one more tensor: sharding changes that count by design.)
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf, 3.0])
-def test_sharded_clipping_equals_single_process_clipping(world, norm_type):
-    mp.spawn(worker, args=(world, free_port(), norm_type, 0.5), nprocs=world, join=True)
+def test_sharded_clipping_equals_single_process_clipping(world, norm_type, tmp_path):
+    spawn(worker, world, rendezvous(tmp_path), norm_type, 0.5)
 
 
-def dtensor_worker(rank, world, port):
+def dtensor_worker(rank, world, init_method):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
         sharded, replicated = full_gradients()
@@ -128,22 +139,26 @@ def dtensor_worker(rank, world, port):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_dtensor_gradients_are_clipped_on_their_local_shards(world):
-    mp.spawn(dtensor_worker, args=(world, free_port()), nprocs=world, join=True)
+def test_dtensor_gradients_are_clipped_on_their_local_shards(world, tmp_path):
+    spawn(dtensor_worker, world, rendezvous(tmp_path))
 
 
-def ddp_worker(rank, world, port):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def ddp_worker(rank, world, init_method):
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
         generator = torch.Generator().manual_seed(rank)  # each rank its own batch
-        ddp(torch.randn(4, 8, generator=generator)).pow(2).sum().backward()
+        model(torch.randn(4, 8, generator=generator)).pow(2).sum().backward()
+        # What DDP does after backward: average the gradients over the ranks. (DDP's own reducer is
+        # left out: torn down with gloo in a test process it aborts now and then at exit.)
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
         twins = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
         for t, p in zip(twins, model.parameters()):
             t.grad = p.grad.clone()
-        # DDP all-reduced the gradients: plain clipping, no process_group, agrees with torch on every rank
+        # The gradients are replicated: plain clipping, no process_group, agrees with torch on every rank
         total = torchclip.clip_grad_norm_(model.parameters(), 0.1)
         expected = torch.nn.utils.clip_grad_norm_(twins, 0.1)
         torch.testing.assert_close(total, expected, rtol=1e-5, atol=0)
@@ -156,5 +171,5 @@ def ddp_worker(rank, world, port):
         dist.destroy_process_group()
 
 
-def test_ddp_gradients_need_no_process_group():
-    mp.spawn(ddp_worker, args=(2, free_port()), nprocs=2, join=True)
+def test_ddp_gradients_need_no_process_group(tmp_path):
+    spawn(ddp_worker, 2, rendezvous(tmp_path))

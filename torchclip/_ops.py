@@ -99,7 +99,11 @@ set_cpu_capability(_default_cpu_capability())
 _ops = torch.ops.torchclip
 
 
-def _total_norm_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+def total_norm_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """torch's dtype for a total norm: the promotion of the inputs' dtypes, real for complex
+    (float32, torch's default, for no tensors)."""
+    if not tensors:
+        return torch.float32
     dtype = tensors[0].dtype
     for t in tensors[1:]:
         dtype = torch.promote_types(dtype, t.dtype)
@@ -116,7 +120,7 @@ def multi_tensor_norm(
 @torch.library.register_fake("torchclip::multi_tensor_norm")
 def _multi_tensor_norm_fake(tensors, ord, error_if_nonfinite):
     first = tensors[0]
-    total = first.new_empty((), dtype=_total_norm_dtype(tensors))
+    total = first.new_empty((), dtype=total_norm_dtype(tensors))
     return total, first.new_empty((len(tensors),), dtype=torch.float64)
 
 
@@ -159,7 +163,7 @@ def clip_grad_norm_tensors_(
 @torch.library.register_fake("torchclip::clip_grad_norm_")
 def _clip_grad_norm_fake(grads, max_norm, norm_type, error_if_nonfinite, eps=1e-6, norm_at_least_float32=False,
                          nonfinite="propagate"):
-    dtype = _total_norm_dtype(grads)
+    dtype = total_norm_dtype(grads)
     if norm_at_least_float32:
         dtype = torch.promote_types(dtype, torch.float32)
     return grads[0].new_empty((), dtype=dtype)

@@ -108,16 +108,21 @@ class ClipGradBase:
         if isinstance(params_grads, Tensor):
             params_grads = [params_grads]
         items = params_grads if isinstance(params_grads, (list, tuple)) else list(params_grads)
-        if items and isinstance(items[0], (tuple, list)):
+        pairs_form = bool(items) and isinstance(items[0], (tuple, list))
+        if pairs_form:
             pairs = [(p, g) for p, g in items if g is not None]
-            self._clip([g for p, g in pairs if self._wants(p)])
-            return pairs
-        # The eager fast path walks the parameters (and their need_clip marks) in C++; a need_clip
-        # predicate is Python, so it takes the Python walk.
-        if self._need_clip_predicate is None and not torch.compiler.is_compiling() and self._clip_parameters(items):
-            return None
-        self._clip([p.grad for p in items if p.grad is not None and self._wants(p)])
-        return None
+        else:
+            # The eager fast path walks the parameters (and their need_clip marks) in C++; a
+            # need_clip predicate is Python, so it takes the Python walk.
+            if self._need_clip_predicate is None and not torch.compiler.is_compiling() and self._clip_parameters(items):
+                return None
+            pairs = [(p, p.grad) for p in items if p.grad is not None]
+        self._clip_pairs([(p, g) for p, g in pairs if self._wants(p)])
+        return pairs if pairs_form else None
+
+    def _clip_pairs(self, pairs: list) -> None:
+        """Clip the selected (param, grad) pairs; the parameters matter only to sharded clipping."""
+        self._clip([g for _, g in pairs])
 
     def _clip_parameters(self, params: list) -> bool:
         """Clip the marked-for-clipping gradients of plain CPU parameters in one C++ call; False when
@@ -237,19 +242,10 @@ class ClipGradByGlobalNorm(ClipGradBase):
         self.auto_skip_clip = auto_skip_clip
         self.last_global_norm: Tensor | None = None
 
-    def __call__(self, params_grads):
+    def _clip_pairs(self, pairs) -> None:
         if self.process_group is None:
-            return super().__call__(params_grads)
-        if isinstance(params_grads, Tensor):
-            params_grads = [params_grads]
-        items = list(params_grads)
-        pairs_form = bool(items) and isinstance(items[0], (tuple, list))
-        pairs = [(p, g) for p, g in items if g is not None] if pairs_form else [
-            (p, p.grad) for p in items if p.grad is not None]
-        self._clip_shard([(p, g) for p, g in pairs if self._wants(p)])
-        return pairs if pairs_form else None
-
-    def _clip_shard(self, pairs) -> None:
+            return super()._clip_pairs(pairs)
+        # Sharded: the parameters say which gradients are replicated (counted by one rank only).
         from torchclip.clip_grad import _sharded_norm
         from torchclip.distributed import is_replicated
 
@@ -264,6 +260,8 @@ class ClipGradByGlobalNorm(ClipGradBase):
             _ops.multi_tensor_scale_(grads, torch.clamp(self.clip_norm / global_norm, max=1.0))
 
     def _clip_parameters(self, params):
+        if self.process_group is not None:
+            return False  # sharded clipping needs the (param, grad) pairs: the Python walk
         # Paddle's formula is torch's with eps = 0: min(clip_norm / global_norm, 1).
         norm = _ops.clip_grad_norm_of_plain_cpu(params, self.clip_norm, 2.0, False, eps=0.0,
                                                 norm_at_least_float32=True, honor_need_clip=True,

@@ -113,7 +113,7 @@ def get_total_norm(
         _check_tensors(tensors, "tensors")
         replicated = [_distributed().is_replicated(t) for t in tensors]
         total = _sharded_norm(tensors, replicated, norm_type, process_group, error_if_nonfinite)
-        return total.to(_result_dtype(tensors))
+        return total.to(_ops.total_norm_dtype(tensors))
     if len(tensors) == 0:
         return torch.tensor(0.0)
     if not torch.compiler.is_compiling():
@@ -138,16 +138,6 @@ def _distributed():
     from torchclip import distributed  # imported on use: torch.distributed is heavy and optional
 
     return distributed
-
-
-def _result_dtype(tensors: list[Tensor]) -> torch.dtype:
-    """torch's dtype for a total norm: the promotion of the inputs' dtypes, real for complex."""
-    if not tensors:
-        return torch.float32
-    dtype = tensors[0].dtype
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype.to_real() if dtype.is_complex else dtype
 
 
 def _check_finite(total: Tensor, norm_type: float, error_if_nonfinite: bool) -> None:
@@ -191,7 +181,7 @@ def _total_norm_with_sparse(tensors: list[Tensor], norm_type: float, error_if_no
         norms += [torch.linalg.vector_norm(t.abs().to(torch.float64), norm_type).to(device) for t in dense]
     total = torch.linalg.vector_norm(torch.cat([n.reshape(-1) for n in norms]), norm_type)
     _check_finite(total, norm_type, error_if_nonfinite)
-    return total, _result_dtype(tensors)
+    return total, _ops.total_norm_dtype(tensors)
 
 
 @torch.no_grad()
@@ -253,7 +243,7 @@ def clip_grad_norm_(
         grads = _grads(parameters)
         replicated = [_distributed().is_replicated(p) for p in parameters if p.grad is not None]
         return _clip_shards(grads, replicated, max_norm, norm_type, process_group, error_if_nonfinite,
-                            _result_dtype(grads))
+                            _ops.total_norm_dtype(grads))
     if not torch.compiler.is_compiling():
         total_norm = _ops.clip_grad_norm_of_plain_cpu(
             parameters, _as_number("max_norm", max_norm), _as_number("norm_type", norm_type), bool(error_if_nonfinite)
@@ -268,7 +258,8 @@ def clip_grad_norm_(
     shards = _distributed().dtensor_shards(grads) if _distributed_available() else None
     if shards is not None:  # FSDP2 / DTensor gradients: their local shards, one collective
         local, replicated, group = shards
-        return _clip_shards(local, replicated, max_norm, norm_type, group, error_if_nonfinite, _result_dtype(grads))
+        return _clip_shards(local, replicated, max_norm, norm_type, group, error_if_nonfinite,
+                            _ops.total_norm_dtype(grads))
     if any(_sparse.is_sparse(g) for g in grads):
         total_wide, dtype = _total_norm_with_sparse(grads, _as_number("norm_type", norm_type), error_if_nonfinite)
         coefficient = torch.clamp(_as_number("max_norm", max_norm) / (total_wide + 1e-6), max=1.0)

@@ -153,6 +153,12 @@ at::ScalarType total_norm_dtype(const Split& split) {
   return at::isComplexType(split.promoted) ? c10::toRealValueType(split.promoted) : split.promoted;
 }
 
+at::Tensor float64_vector(const std::vector<double>& values) {
+  at::Tensor out = at::empty({static_cast<int64_t>(values.size())}, at::kDouble);
+  std::copy(values.begin(), values.end(), out.data_ptr<double>());
+  return out;
+}
+
 at::Tensor scalar_in_dtype(double value, at::ScalarType dtype) {
   // Cast through a float64 tensor: a Scalar fill would refuse a value that overflows a 16-bit dtype,
   // where torch's own result is inf.
@@ -212,9 +218,7 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_cpu(at::TensorList tensors,
   const std::vector<double> norms = tensor_norms_wide(tensors, split, ord, op);
   const double total = cpu::total_norm(norms.data(), static_cast<int64_t>(norms.size()), cpu::norm_order(ord));
   check_finite_total(total, ord, error_if_nonfinite);
-  at::Tensor per_tensor = at::empty({static_cast<int64_t>(norms.size())}, at::kDouble);
-  std::copy(norms.begin(), norms.end(), per_tensor.data_ptr<double>());
-  return {scalar_in_dtype(total, total_norm_dtype(split)), per_tensor};
+  return {scalar_in_dtype(total, total_norm_dtype(split)), float64_vector(norms)};
 }
 
 void multi_tensor_scale_cpu(at::TensorList tensors, const at::Tensor& scale) {
@@ -305,9 +309,7 @@ at::Tensor clip_by_tensor_norm_cpu(at::TensorList tensors, double max_norm, c10:
     scales[i] = norms[i] <= max_norm ? 1.0 : max_norm / norms[i];
   }
   apply_scales(tensors, split, scales);
-  at::Tensor per_tensor = at::empty({static_cast<int64_t>(norms.size())}, at::kDouble);
-  std::copy(norms.begin(), norms.end(), per_tensor.data_ptr<double>());
-  return per_tensor;
+  return float64_vector(norms);
 }
 
 }  // namespace
