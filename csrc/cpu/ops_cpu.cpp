@@ -15,6 +15,7 @@
 
 #include "kernel_loader.h"
 #include "norm_total.h"
+#include "ops_cpu.h"
 
 namespace torchclip {
 namespace {
@@ -39,19 +40,23 @@ std::optional<DType> kernel_dtype(at::ScalarType type) {
   }
 }
 
-// How a tensor list is served: `spans` go to the kernels (dense float16/bfloat16/float32/float64),
-// the rest (complex, integer, strided views with gaps or overlaps) to ATen, which is correct for all.
-struct Split {
-  std::vector<TensorSpan> spans;
-  std::vector<int64_t> span_source;  // spans[k] is tensors[span_source[k]]
-  std::vector<int64_t> aten_path;    // indices of the tensors ATen serves
-  at::ScalarType promoted = at::kFloat;
-};
+}  // namespace
+
+void Split::add(const at::Tensor& t, int64_t index) {
+  promoted = index == 0 ? t.scalar_type() : c10::promoteTypes(promoted, t.scalar_type());
+  const auto dtype = kernel_dtype(t.scalar_type());
+  // A lazily negated view (neg bit) holds -x in memory as x: only ATen knows to flip it.
+  if (dtype && t.is_non_overlapping_and_dense() && !t.is_neg()) {
+    spans.push_back({t.data_ptr(), t.numel(), *dtype});
+    span_source.push_back(index);
+  } else {
+    aten_path.push_back(index);
+  }
+}
 
 Split split_tensors(at::TensorList tensors, const char* op) {
   Split split;
-  split.spans.reserve(tensors.size());
-  split.span_source.reserve(tensors.size());
+  split.reserve(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
     TORCH_CHECK(t.defined(), op, ": tensors[", i, "] is an undefined tensor");
@@ -59,18 +64,12 @@ Split split_tensors(at::TensorList tensors, const char* op) {
         "; the CPU kernel takes CPU tensors only");
     TORCH_CHECK(t.layout() == at::kStrided, op, ": tensors[", i, "] has layout ", t.layout(),
         "; only strided tensors are supported here");
-    split.promoted = i == 0 ? t.scalar_type() : c10::promoteTypes(split.promoted, t.scalar_type());
-    const auto dtype = kernel_dtype(t.scalar_type());
-    // A lazily negated view (neg bit) holds -x in memory as x: only ATen knows to flip it.
-    if (dtype && t.is_non_overlapping_and_dense() && !t.is_neg()) {
-      split.spans.push_back({t.data_ptr(), t.numel(), *dtype});
-      split.span_source.push_back(static_cast<int64_t>(i));
-    } else {
-      split.aten_path.push_back(static_cast<int64_t>(i));
-    }
+    split.add(t, static_cast<int64_t>(i));
   }
   return split;
 }
+
+namespace {
 
 // ATen refuses to write in place into a tensor whose elements share memory (an expanded view);
 // refusing it before the first write keeps the promise that an error leaves every tensor as it was.
@@ -212,13 +211,77 @@ void check_finite_total(double total, double norm_type, bool error_if_nonfinite)
       "scale the gradients by the non-finite norm anyway, set `error_if_nonfinite=False`");
 }
 
-std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_cpu(at::TensorList tensors, double ord, bool error_if_nonfinite) {
-  constexpr const char* op = "torchclip.multi_tensor_norm";
-  const Split split = split_tensors(tensors, op);
-  const std::vector<double> norms = tensor_norms_wide(tensors, split, ord, op);
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_split(at::TensorList tensors, const Split& split, double ord,
+    bool error_if_nonfinite) {
+  const std::vector<double> norms = tensor_norms_wide(tensors, split, ord, "torchclip.multi_tensor_norm");
   const double total = cpu::total_norm(norms.data(), static_cast<int64_t>(norms.size()), cpu::norm_order(ord));
   check_finite_total(total, ord, error_if_nonfinite);
   return {scalar_in_dtype(total, total_norm_dtype(split)), float64_vector(norms)};
+}
+
+void multi_tensor_clamp_split(at::TensorList tensors, const Split& split, double min, double max) {
+  constexpr const char* op = "torchclip.multi_tensor_clamp_";
+  check_writable(tensors, split, op);
+  for (int64_t i : split.aten_path) {
+    TORCH_CHECK(!tensors[i].is_complex(), op, ": tensors[", i, "] has dtype ", tensors[i].scalar_type(),
+        "; clamping is not defined for complex numbers");
+    TORCH_CHECK(tensors[i].scalar_type() != at::kBool, op, ": tensors[", i, "] has dtype bool; clamping "
+        "needs a numeric dtype");
+  }
+  if (!split.spans.empty()) {
+    cpu_kernels().clamp(split.spans.data(), static_cast<int64_t>(split.spans.size()), min, max);
+  }
+  for (int64_t i : split.aten_path) {
+    tensors[i].clamp_min_(min).clamp_max_(max);
+  }
+}
+
+at::Tensor clip_grad_norm_split(at::TensorList grads, const Split& split, double max_norm, double norm_type,
+    bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite) {
+  constexpr const char* op = "torchclip.clip_grad_norm_";
+  const NonFinite policy = parse_nonfinite(nonfinite, op);
+  check_writable(grads, split, op);
+  const std::vector<double> norms = tensor_norms_wide(grads, split, norm_type, op);
+  const double total = cpu::total_norm(norms.data(), static_cast<int64_t>(norms.size()), cpu::norm_order(norm_type));
+  check_finite_total(total, norm_type, error_if_nonfinite || policy == NonFinite::Raise);
+  // torch's coefficient, max_norm / (total_norm + eps) clamped to at most 1, but from the float64 norm.
+  // std::min keeps a NaN coefficient NaN, as torch.clamp does; a zero norm with eps = 0 gives 1.
+  const bool skip = policy == NonFinite::Skip && !std::isfinite(total);
+  const double coefficient = skip ? 1.0 : std::min(max_norm * (1.0 / (total + eps)), 1.0);
+  apply_scales(grads, split, std::vector<double>(grads.size(), coefficient));
+  at::ScalarType dtype = grads.empty() ? at::kFloat : total_norm_dtype(split);
+  if (norm_at_least_float32) {
+    dtype = c10::promoteTypes(dtype, at::kFloat);
+  }
+  return scalar_in_dtype(total, dtype);
+}
+
+at::Tensor clip_by_tensor_norm_split(at::TensorList tensors, const Split& split, double max_norm,
+    c10::string_view nonfinite) {
+  constexpr const char* op = "torchclip.clip_by_tensor_norm_";
+  const NonFinite policy = parse_nonfinite(nonfinite, op);
+  check_writable(tensors, split, op);
+  const std::vector<double> norms = tensor_norms_wide(tensors, split, 2.0, op);
+  const bool any_nonfinite = std::any_of(norms.begin(), norms.end(), [](double n) { return !std::isfinite(n); });
+  TORCH_CHECK(!(any_nonfinite && policy == NonFinite::Raise), op, ": a gradient's norm is non-finite (NaN or inf), "
+      "so it cannot be clipped; no gradient was changed");
+  std::vector<double> scales(norms.size(), 1.0);
+  for (size_t i = 0; i < norms.size() && !(any_nonfinite && policy == NonFinite::Skip); ++i) {
+    // Unchanged when norm <= max_norm; otherwise max_norm / norm (NaN for a NaN norm: propagated).
+    scales[i] = norms[i] <= max_norm ? 1.0 : max_norm / norms[i];
+  }
+  apply_scales(tensors, split, scales);
+  return float64_vector(norms);
+}
+
+namespace {
+
+// The dispatcher's CPU kernels: split, then the shared implementations above.
+std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_cpu(at::TensorList tensors, double ord, bool error_if_nonfinite) {
+  return multi_tensor_norm_split(tensors, split_tensors(tensors, "torchclip.multi_tensor_norm"), ord,
+      error_if_nonfinite);
 }
 
 void multi_tensor_scale_cpu(at::TensorList tensors, const at::Tensor& scale) {
@@ -256,60 +319,18 @@ void multi_tensor_scale_cpu(at::TensorList tensors, const at::Tensor& scale) {
 }
 
 void multi_tensor_clamp_cpu(at::TensorList tensors, double min, double max) {
-  constexpr const char* op = "torchclip.multi_tensor_clamp_";
-  const Split split = split_tensors(tensors, op);
-  check_writable(tensors, split, op);
-  for (int64_t i : split.aten_path) {
-    TORCH_CHECK(!tensors[i].is_complex(), op, ": tensors[", i, "] has dtype ", tensors[i].scalar_type(),
-        "; clamping is not defined for complex numbers");
-    TORCH_CHECK(tensors[i].scalar_type() != at::kBool, op, ": tensors[", i, "] has dtype bool; clamping "
-        "needs a numeric dtype");
-  }
-  if (!split.spans.empty()) {
-    cpu_kernels().clamp(split.spans.data(), static_cast<int64_t>(split.spans.size()), min, max);
-  }
-  for (int64_t i : split.aten_path) {
-    tensors[i].clamp_min_(min).clamp_max_(max);
-  }
+  multi_tensor_clamp_split(tensors, split_tensors(tensors, "torchclip.multi_tensor_clamp_"), min, max);
 }
 
 at::Tensor clip_grad_norm_cpu(at::TensorList grads, double max_norm, double norm_type, bool error_if_nonfinite,
     double eps, bool norm_at_least_float32, c10::string_view nonfinite) {
-  constexpr const char* op = "torchclip.clip_grad_norm_";
-  const NonFinite policy = parse_nonfinite(nonfinite, op);
-  const Split split = split_tensors(grads, op);
-  check_writable(grads, split, op);
-  const std::vector<double> norms = tensor_norms_wide(grads, split, norm_type, op);
-  const double total = cpu::total_norm(norms.data(), static_cast<int64_t>(norms.size()), cpu::norm_order(norm_type));
-  check_finite_total(total, norm_type, error_if_nonfinite || policy == NonFinite::Raise);
-  // torch's coefficient, max_norm / (total_norm + eps) clamped to at most 1, but from the float64 norm.
-  // std::min keeps a NaN coefficient NaN, as torch.clamp does; a zero norm with eps = 0 gives 1.
-  const bool skip = policy == NonFinite::Skip && !std::isfinite(total);
-  const double coefficient = skip ? 1.0 : std::min(max_norm * (1.0 / (total + eps)), 1.0);
-  apply_scales(grads, split, std::vector<double>(grads.size(), coefficient));
-  at::ScalarType dtype = grads.empty() ? at::kFloat : total_norm_dtype(split);
-  if (norm_at_least_float32) {
-    dtype = c10::promoteTypes(dtype, at::kFloat);
-  }
-  return scalar_in_dtype(total, dtype);
+  return clip_grad_norm_split(grads, split_tensors(grads, "torchclip.clip_grad_norm_"), max_norm, norm_type,
+      error_if_nonfinite, eps, norm_at_least_float32, nonfinite);
 }
 
 at::Tensor clip_by_tensor_norm_cpu(at::TensorList tensors, double max_norm, c10::string_view nonfinite) {
-  constexpr const char* op = "torchclip.clip_by_tensor_norm_";
-  const NonFinite policy = parse_nonfinite(nonfinite, op);
-  const Split split = split_tensors(tensors, op);
-  check_writable(tensors, split, op);
-  const std::vector<double> norms = tensor_norms_wide(tensors, split, 2.0, op);
-  const bool any_nonfinite = std::any_of(norms.begin(), norms.end(), [](double n) { return !std::isfinite(n); });
-  TORCH_CHECK(!(any_nonfinite && policy == NonFinite::Raise), op, ": a gradient's norm is non-finite (NaN or inf), "
-      "so it cannot be clipped; no gradient was changed");
-  std::vector<double> scales(norms.size(), 1.0);
-  for (size_t i = 0; i < norms.size() && !(any_nonfinite && policy == NonFinite::Skip); ++i) {
-    // Unchanged when norm <= max_norm; otherwise max_norm / norm (NaN for a NaN norm: propagated).
-    scales[i] = norms[i] <= max_norm ? 1.0 : max_norm / norms[i];
-  }
-  apply_scales(tensors, split, scales);
-  return float64_vector(norms);
+  return clip_by_tensor_norm_split(tensors, split_tensors(tensors, "torchclip.clip_by_tensor_norm_"), max_norm,
+      nonfinite);
 }
 
 }  // namespace

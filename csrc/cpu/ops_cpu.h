@@ -1,0 +1,44 @@
+// The CPU op implementations, split in two so that both callers share them: the dispatcher's CPU
+// kernels (ops_cpu.cpp) split their tensor list and call the *_split functions; the eager fast path
+// (python_module.cpp) builds the same Split while it walks the parameters, and calls them directly.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <tuple>
+#include <vector>
+
+#include "kernel_table.h"
+
+namespace torchclip {
+
+// How a tensor list is served: `spans` go to the kernels (dense float16/bfloat16/float32/float64),
+// the rest (complex, integer, strided views with gaps or overlaps) to ATen, which is correct for all.
+struct Split {
+  std::vector<cpu::TensorSpan> spans;
+  std::vector<int64_t> span_source;  // spans[k] is tensors[span_source[k]]
+  std::vector<int64_t> aten_path;    // indices of the tensors ATen serves
+  at::ScalarType promoted = at::kFloat;
+
+  void reserve(size_t count) {
+    spans.reserve(count);
+    span_source.reserve(count);
+  }
+  // Files tensors[index] = t (defined, strided and on the CPU: the caller has checked) under spans or
+  // the ATen path.
+  void add(const at::Tensor& t, int64_t index);
+};
+
+// Checks every tensor (defined, CPU, strided; errors name `op` and the index) and splits the list.
+Split split_tensors(at::TensorList tensors, const char* op);
+
+// The ops on a list already split. `tensors` must be the list `split` describes.
+std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_split(at::TensorList tensors, const Split& split, double ord,
+    bool error_if_nonfinite);
+void multi_tensor_clamp_split(at::TensorList tensors, const Split& split, double min, double max);
+at::Tensor clip_grad_norm_split(at::TensorList grads, const Split& split, double max_norm, double norm_type,
+    bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite);
+at::Tensor clip_by_tensor_norm_split(at::TensorList tensors, const Split& split, double max_norm,
+    c10::string_view nonfinite);
+
+}  // namespace torchclip

@@ -1,0 +1,101 @@
+"""The eager fast path (csrc/python_module.cpp): the C++ walk over parameters that calls the CPU ops'
+implementations without the dispatcher. Whatever it skips must not be observable: version counters,
+dispatch modes, inference mode, torch's warnings, and the switch from borrowed tensors (GIL held) to
+owned ones (GIL released) for large workloads."""
+
+import warnings
+
+import pytest
+import torch
+from testing import NORM_RTOL, assert_close_rel, clone_params, make_params, reference_norm
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torchclip
+
+SPECS = [((7, 5), torch.float32), ((300,), torch.float32), ((3, 4, 5), torch.float64), ((2, 2), torch.bfloat16)]
+
+# Each call with the arguments that make it write (a clip coefficient below 1, a clamp that bites).
+WRITING_CALLS = {
+    "clip_grad_norm_": lambda params: torchclip.clip_grad_norm_(params, 0.1),
+    "clip_grad_value_": lambda params: torchclip.clip_grad_value_(params, 0.1),
+    "ClipGradByGlobalNorm": lambda params: torchclip.ClipGradByGlobalNorm(0.1)(params),
+    "ClipGradByNorm": lambda params: torchclip.ClipGradByNorm(0.1)(params),
+    "ClipGradByValue": lambda params: torchclip.ClipGradByValue(0.1)(params),
+}
+
+
+@pytest.mark.parametrize("call", WRITING_CALLS)
+def test_version_counters_are_bumped(call):
+    # torch's in-place ops bump the version counter of every tensor they write; autograd relies on it
+    # to refuse a backward through a saved tensor that changed.
+    params = make_params(SPECS, seed=1, scale=10.0)
+    before = [p.grad._version for p in params]
+    WRITING_CALLS[call](params)
+    assert all(p.grad._version > v for p, v in zip(params, before))
+
+
+@pytest.mark.parametrize("call", WRITING_CALLS)
+def test_a_dispatch_mode_sees_the_ops(call):
+    # Under a TorchDispatchMode the walk steps aside and the ops go through the dispatcher, so tools
+    # built on modes (FlopCounterMode, debug modes, tracing) see them.
+    seen = []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    params = make_params(SPECS, seed=2, scale=10.0)
+    expected = clone_params(params)
+    WRITING_CALLS[call](expected)
+    with Recorder():
+        WRITING_CALLS[call](params)
+    assert any(name.startswith("torchclip.") for name in seen), seen
+    for p, q in zip(params, expected):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("call", WRITING_CALLS)
+def test_inference_mode_gives_the_same_gradients(call):
+    params = make_params(SPECS, seed=3, scale=10.0)
+    expected = clone_params(params)
+    WRITING_CALLS[call](expected)
+    with torch.inference_mode():
+        WRITING_CALLS[call](params)
+    for p, q in zip(params, expected):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_a_non_leaf_without_grad_warns_as_torch_does():
+    leaf = torch.nn.Parameter(torch.ones(3))
+    leaf.grad = torch.ones(3)
+    non_leaf = leaf * 2
+    for clip in (torch.nn.utils.clip_grad_value_, torchclip.clip_grad_value_):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            clip([non_leaf, leaf], 1.0)
+        assert any("not a leaf Tensor" in str(w.message) for w in caught), clip
+
+
+@pytest.mark.parametrize("numel", [1000, 3_000_000])
+def test_small_and_large_workloads_agree_with_torch(numel):
+    # Below 4M elements the walk borrows the tensors and keeps the GIL; above, it owns them and
+    # releases the GIL: both must clip as torch does.
+    params = make_params([((numel,), torch.float32), ((numel // 2,), torch.float32)], seed=4)
+    theirs = clone_params(params)
+    reference = reference_norm([p.grad for p in params], 2.0)
+    total = torchclip.clip_grad_norm_(params, 1.0)
+    torch.nn.utils.clip_grad_norm_(theirs, 1.0)
+    assert_close_rel(total.item(), reference, NORM_RTOL[torch.float32])
+    for p, q in zip(params, theirs):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_gradients_stay_alive_while_borrowed():
+    # The walk holds no reference to the gradients it borrows; the parameters do. Dropping every other
+    # reference before the call must not matter.
+    params = [torch.nn.Parameter(torch.zeros(100)) for _ in range(50)]
+    for p in params:
+        p.grad = torch.full((100,), 5.0)
+    torchclip.clip_grad_value_(params, 1.0)
+    assert all(torch.equal(p.grad, torch.ones(100)) for p in params)
