@@ -46,10 +46,11 @@ def main():
 
 def spawned(rank, world, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        main()
-    finally:
-        dist.destroy_process_group()
+    main()
+    dist.destroy_process_group()
+    # Done: leave without interpreter teardown, where gloo's threads now and then abort a spawned
+    # process ("terminate called without an active exception") after all its work is done.
+    os._exit(0)
 
 
 if __name__ == "__main__":

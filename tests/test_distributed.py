@@ -10,7 +10,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import torchclip
+import torchclip.distributed
 from torchclip.distributed import set_replicated
+
+if dist.is_available():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 SHAPES = [(64, 32), (32,), (128, 7), (5,), (1000,), (3, 3, 3)]
 REPLICATED = [(16,), (4, 4)]  # present whole on every rank (biases, norms under tensor parallelism)
@@ -110,30 +115,60 @@ def test_sharded_clipping_equals_single_process_clipping(world, norm_type, tmp_p
     spawn(worker, world, rendezvous(tmp_path), norm_type, 0.5)
 
 
-def dtensor_worker(rank, world, init_method):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+# Norm orders whose sharded total must equal the unsharded one exactly as torch defines it. With
+# DTensors every rank holds a piece of the same gradients, so p = 0 (torch counts whole tensors) and
+# negative orders are exact too.
+DTENSOR_NORM_TYPES = [2.0, 1.0, math.inf, 3.0, 0.0, -1.0, -math.inf]
 
+
+def dtensor_parameters(full, mesh, placements):
+    params = []
+    for g, placement in zip(full, placements):
+        p = torch.nn.Parameter(distribute_tensor(torch.zeros_like(g), mesh, placement))
+        p.grad = distribute_tensor(g.clone(), mesh, placement)
+        params.append(p)
+    return params
+
+
+def plain_parameters(full):
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in full]
+    for p, g in zip(params, full):
+        p.grad = g.clone()
+    return params
+
+
+def check_dtensor_clipping(full, make_params):
+    """clip_grad_norm_, ClipGradByGlobalNorm and global_norms on DTensor gradients against the same
+    calls on the full gradients in one process, for every norm order."""
+    for norm_type in DTENSOR_NORM_TYPES:
+        params, reference = make_params(), plain_parameters(full)
+        expected_total = torchclip.clip_grad_norm_(reference, 0.5, norm_type)
+        total = torchclip.clip_grad_norm_(params, 0.5, norm_type)  # no process_group needed
+        assert type(total) is torch.Tensor  # a plain tensor: .item() is the global value on every rank
+        torch.testing.assert_close(total, expected_total, rtol=1e-6, atol=0, msg=f"norm_type {norm_type}")
+        for p, q in zip(params, reference):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-9)
+        total, per_tensor = torchclip.distributed.global_norms(make_params(), norm_type)
+        expected = torch.stack([torch.linalg.vector_norm(g.double(), norm_type) for g in full])
+        torch.testing.assert_close(per_tensor, expected, rtol=1e-7, atol=0)
+        torch.testing.assert_close(total, expected_total.double(), rtol=1e-6, atol=0)
+    params, reference = make_params(), plain_parameters(full)
+    clip = torchclip.ClipGradByGlobalNorm(0.5)
+    clip(params)
+    torchclip.ClipGradByGlobalNorm(0.5)(reference)
+    torch.testing.assert_close(clip.last_global_norm, torchclip.get_total_norm(full), rtol=1e-6, atol=0)
+    for p, q in zip(params, reference):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-9)
+
+
+def dtensor_worker(rank, world, init_method):
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
         sharded, replicated = full_gradients()
         full = sharded + replicated
-        placements = [Shard(0)] * len(sharded) + [Replicate()] * len(replicated)
-        params = []
-        for g, placement in zip(full, placements):
-            p = torch.nn.Parameter(distribute_tensor(torch.zeros_like(g), mesh, [placement]))
-            p.grad = distribute_tensor(g.clone(), mesh, [placement])
-            params.append(p)
-        reference = [torch.nn.Parameter(torch.zeros_like(g)) for g in full]
-        for p, g in zip(reference, full):
-            p.grad = g.clone()
-        expected_total = torchclip.clip_grad_norm_(reference, 0.5)
-        total = torchclip.clip_grad_norm_(params, 0.5)  # DTensor gradients: no process_group needed
-        assert type(total) is torch.Tensor  # a plain tensor: .item() is the global value on every rank
-        torch.testing.assert_close(total, expected_total, rtol=1e-6, atol=0)
-        for p, q in zip(params, reference):
-            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-9)
+        placements = [[Shard(0)]] * len(sharded) + [[Replicate()]] * len(replicated)
+        check_dtensor_clipping(full, lambda: dtensor_parameters(full, mesh, placements))
     finally:
         dist.destroy_process_group()
 
@@ -141,6 +176,97 @@ def dtensor_worker(rank, world, init_method):
 @pytest.mark.parametrize("world", [2, 4])
 def test_dtensor_gradients_are_clipped_on_their_local_shards(world, tmp_path):
     spawn(dtensor_worker, world, rendezvous(tmp_path))
+
+
+def two_dim_mesh_worker(rank, world, init_method):
+    """FSDP + tensor parallelism and HSDP layouts on a 2 x 2 mesh, and gradients on two meshes."""
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        sharded, replicated = full_gradients()
+        full = sharded + replicated
+        layouts = [
+            [Shard(0), Shard(1)],  # FSDP over dp, column-parallel over tp
+            [Shard(0), Replicate()],  # FSDP over dp, replicated over tp (a norm's weight)
+            [Replicate(), Shard(0)],  # HSDP: replicated across dp groups, sharded within
+            [Replicate(), Replicate()],
+        ]
+        placements = [layouts[i % len(layouts)] if g.dim() > 1 or i % len(layouts) != 0 else [Shard(0), Replicate()]
+                      for i, g in enumerate(full)]
+        check_dtensor_clipping(full, lambda: dtensor_parameters(full, mesh, placements))
+        # Two meshes over the same ranks: a 1-D one and the 2-D one.
+        flat = init_device_mesh("cpu", (world,))
+
+        def on_two_meshes():
+            params = dtensor_parameters(full[:3], flat, [[Shard(0)]] * 3)
+            return params + dtensor_parameters(full[3:], mesh, placements[3:])
+
+        check_dtensor_clipping(full, on_two_meshes)
+        # Tensor parallelism alone, on the tp sub-mesh of each dp replica, each replica with its own
+        # gradients: every replica gets the norm of its own DTensors (a collective over its tp group).
+        own = [g * (1 + mesh.get_local_rank("dp")) for g in full]
+        tp_placements = [[Shard(0)] if i % 2 else [Replicate()] for i in range(len(own))]
+        check_dtensor_clipping(own, lambda: dtensor_parameters(own, mesh["tp"], tp_placements))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dtensors_on_two_dimensional_and_several_meshes(tmp_path):
+    spawn(two_dim_mesh_worker, 4, rendezvous(tmp_path))
+
+
+def fsdp2_worker(rank, world, init_method, mesh_shape):
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    try:
+        names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")  # FSDP; HSDP
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        generator = torch.Generator().manual_seed(rank)  # each rank its own batch
+        model(torch.randn(4, 8, generator=generator)).pow(2).sum().backward()
+        full = [p.grad.full_tensor() for p in model.parameters()]
+        reference = plain_parameters(full)
+        expected = torch.nn.utils.clip_grad_norm_(reference, 0.1)
+        total = torchclip.clip_grad_norm_(model.parameters(), 0.1)
+        torch.testing.assert_close(total, expected, rtol=1e-5, atol=0)
+        for p, q in zip(model.parameters(), reference):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-8)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world, mesh_shape", [(2, (2,)), (4, (2, 2))], ids=["fsdp", "hsdp"])
+def test_fsdp2_fully_shard_gradients(world, mesh_shape, tmp_path):
+    spawn(fsdp2_worker, world, rendezvous(tmp_path), mesh_shape)
+
+
+def per_tensor_worker(rank, world, init_method):
+    """Hand-sharded pieces of the same gradients on every rank: per-tensor norms in the same collective."""
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    try:
+        sharded, _ = full_gradients()
+        params = []
+        for g in sharded:
+            pieces = g.flatten().chunk(world)
+            piece = pieces[rank] if rank < len(pieces) else g.flatten()[:0]  # (5,) has 2 pieces of 3 and 2
+            p = torch.nn.Parameter(torch.zeros_like(piece))
+            p.grad = piece.clone()
+            params.append(p)
+        total, per_tensor = torchclip.distributed.global_norms(params, 2.0, process_group=dist.group.WORLD)
+        expected = torch.stack([torch.linalg.vector_norm(g.double()) for g in sharded])
+        torch.testing.assert_close(per_tensor, expected, rtol=1e-7, atol=0)
+        torch.testing.assert_close(total, torch.linalg.vector_norm(expected), rtol=1e-7, atol=0)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_per_tensor_norms_of_hand_sharded_gradients(tmp_path):
+    spawn(per_tensor_worker, 2, rendezvous(tmp_path))
 
 
 def ddp_worker(rank, world, init_method):

@@ -243,21 +243,25 @@ class ClipGradByGlobalNorm(ClipGradBase):
         self.last_global_norm: Tensor | None = None
 
     def _clip_pairs(self, pairs) -> None:
-        if self.process_group is None:
-            return super()._clip_pairs(pairs)
-        # Sharded: the parameters say which gradients are replicated (counted by one rank only).
-        from torchclip.clip_grad import _sharded_norm
-        from torchclip.distributed import is_replicated
+        from torchclip.clip_grad import _distributed, _distributed_available, _sharded_norm
 
-        global_norm = _sharded_norm([g for _, g in pairs], [is_replicated(p) for p, _ in pairs], 2.0,
-                                    self.process_group, self.nonfinite == "raise")
+        grads = [g for _, g in pairs]
+        if self.process_group is not None:
+            # Hand-sharded: the parameters say which gradients are replicated (counted by one rank).
+            distributed = _distributed()
+            shards = distributed.hand_shards(grads, [distributed.is_replicated(p) for p, _ in pairs],
+                                             self.process_group)
+        else:  # DTensor gradients (FSDP2): their local shards
+            shards = _distributed().dtensor_shards(grads) if _distributed_available() else None
+            if shards is None:
+                return super()._clip_pairs(pairs)
+        global_norm = _sharded_norm(shards, 2.0, self.nonfinite == "raise")
         self._record(global_norm)
         self.last_global_norm = global_norm.to(torch.float32)
         if self.nonfinite == "skip" and not torch.isfinite(global_norm):
             return
-        grads = [g for _, g in pairs]
-        if grads:
-            _ops.multi_tensor_scale_(grads, torch.clamp(self.clip_norm / global_norm, max=1.0))
+        if shards.local:
+            _ops.multi_tensor_scale_(shards.local, torch.clamp(self.clip_norm / global_norm, max=1.0))
 
     def _clip_parameters(self, params):
         if self.process_group is not None:

@@ -111,9 +111,9 @@ def get_total_norm(
     norm_type = _as_number("norm_type", norm_type)
     if process_group is not None:
         _check_tensors(tensors, "tensors")
-        replicated = [_distributed().is_replicated(t) for t in tensors]
-        total = _sharded_norm(tensors, replicated, norm_type, process_group, error_if_nonfinite)
-        return total.to(_ops.total_norm_dtype(tensors))
+        distributed = _distributed()
+        shards = distributed.hand_shards(tensors, [distributed.is_replicated(t) for t in tensors], process_group)
+        return _sharded_norm(shards, norm_type, error_if_nonfinite).to(_ops.total_norm_dtype(tensors))
     if len(tensors) == 0:
         return torch.tensor(0.0)
     if not torch.compiler.is_compiling():
@@ -149,21 +149,20 @@ def _check_finite(total: Tensor, norm_type: float, error_if_nonfinite: bool) -> 
         )
 
 
-def _sharded_norm(grads, replicated, norm_type: float, process_group, error_if_nonfinite: bool) -> Tensor:
-    from torchclip.distributed import sharded_total_norm
-
-    if not _ops.all_plain_cpu(grads):
+def _sharded_norm(shards, norm_type: float, error_if_nonfinite: bool) -> Tensor:
+    """The global norm (float64, CPU, the same on every rank) of sharded gradients (torchclip.distributed)."""
+    if not _ops.all_plain_cpu(shards.local):
         raise ValueError("process_group: sharded clipping runs on plain strided CPU gradients (gloo) for now")
-    total = sharded_total_norm(grads, replicated, norm_type, process_group)
+    total, _ = _distributed().sharded_norms(shards, norm_type)
     _check_finite(total, norm_type, error_if_nonfinite)
     return total
 
 
-def _clip_shards(grads, replicated, max_norm, norm_type, process_group, error_if_nonfinite, result_dtype) -> Tensor:
+def _clip_shards(shards, max_norm, norm_type, error_if_nonfinite, result_dtype) -> Tensor:
     """clip_grad_norm_ over this rank's shards: one collective, the same coefficient on every rank."""
-    total = _sharded_norm(grads, replicated, _as_number("norm_type", norm_type), process_group, error_if_nonfinite)
-    if grads:
-        _ops.multi_tensor_scale_(grads, torch.clamp(_as_number("max_norm", max_norm) / (total + 1e-6), max=1.0))
+    total = _sharded_norm(shards, _as_number("norm_type", norm_type), error_if_nonfinite)
+    if shards.local:
+        _ops.multi_tensor_scale_(shards.local, torch.clamp(_as_number("max_norm", max_norm) / (total + 1e-6), max=1.0))
     return total.to(result_dtype)
 
 
@@ -241,9 +240,10 @@ def clip_grad_norm_(
             warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=3)
     if process_group is not None:
         grads = _grads(parameters)
-        replicated = [_distributed().is_replicated(p) for p in parameters if p.grad is not None]
-        return _clip_shards(grads, replicated, max_norm, norm_type, process_group, error_if_nonfinite,
-                            _ops.total_norm_dtype(grads))
+        distributed = _distributed()
+        replicated = [distributed.is_replicated(p) for p in parameters if p.grad is not None]
+        shards = distributed.hand_shards(grads, replicated, process_group)
+        return _clip_shards(shards, max_norm, norm_type, error_if_nonfinite, _ops.total_norm_dtype(grads))
     if not torch.compiler.is_compiling():
         total_norm = _ops.clip_grad_norm_of_plain_cpu(
             parameters, _as_number("max_norm", max_norm), _as_number("norm_type", norm_type), bool(error_if_nonfinite)
@@ -257,9 +257,7 @@ def clip_grad_norm_(
         )
     shards = _distributed().dtensor_shards(grads) if _distributed_available() else None
     if shards is not None:  # FSDP2 / DTensor gradients: their local shards, one collective
-        local, replicated, group = shards
-        return _clip_shards(local, replicated, max_norm, norm_type, group, error_if_nonfinite,
-                            _ops.total_norm_dtype(grads))
+        return _clip_shards(shards, max_norm, norm_type, error_if_nonfinite, _ops.total_norm_dtype(grads))
     if any(_sparse.is_sparse(g) for g in grads):
         total_wide, dtype = _total_norm_with_sparse(grads, _as_number("norm_type", norm_type), error_if_nonfinite)
         coefficient = torch.clamp(_as_number("max_norm", max_norm) / (total_wide + 1e-6), max=1.0)

@@ -1,18 +1,27 @@
 """Clipping gradients that are sharded across the ranks of a torch.distributed process group.
 
-With ZeRO-style or tensor-parallel sharding each rank holds part of the gradients. The global norm
-needs every rank's part, so each rank computes its local total with the fused kernel, one all_gather
-of one float64 scalar per rank collects them, and every rank combines them the same way: every rank
-clips with the same coefficient, exactly as if the gradients were not sharded.
+With ZeRO-style, FSDP2 or tensor-parallel sharding each rank holds part of the gradients. The global
+norm needs every rank's part, so each rank computes its local norms with the fused kernel, one
+all_gather of float64 values collects them, and every rank combines the same numbers the same way:
+every rank clips with the same coefficient, exactly as if the gradients were not sharded.
 
-Parameters that every rank holds whole (replicated: biases and norms under tensor parallelism,
-shared embeddings) would be counted once per rank; mark them with `set_replicated(params)` and only
-the group's first rank counts them (every rank still clips its copy).
+Each piece a rank holds is either counted by it or not, so that every element of the full gradients
+is counted exactly once:
+
+* hand-sharded gradients (`process_group=`): every piece is counted, except pieces of parameters
+  marked replicated (`set_replicated`: biases and norms under tensor parallelism, shared
+  embeddings), which only the group's first rank counts;
+* DTensor gradients (FSDP2's fully_shard, HSDP, FSDP + tensor parallelism): a rank counts its local
+  shard when its coordinate is 0 along every mesh dimension whose placement is Replicate.
+
+Norms of any order combine by the same rule the kernels use within a rank: the p-norm of the
+pieces' p-norms (a sum of counts for p = 0), so one combine works for every norm type.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -36,64 +45,165 @@ def set_replicated(params, replicated: bool = True) -> int:
     return len(params)
 
 
-def _local_total64(grads: list[Tensor], norm_type: float) -> Tensor:
-    """This rank's total norm (float64, CPU) of its gradients; the combining rule's identity when it
-    has none (0 for every order but -inf, whose identity is +inf)."""
-    if not grads:
-        return torch.tensor(math.inf if norm_type == -math.inf else 0.0, dtype=torch.float64)
-    if norm_type == 0.0:  # torch's p = 0 total counts the tensors with a non-zero element: a sum
-        _, per_tensor = _ops.multi_tensor_norm(grads, 1.0)
-        return (per_tensor != 0).sum().to(torch.float64)
-    _, per_tensor = _ops.multi_tensor_norm(grads, norm_type)
-    total, _ = _ops.multi_tensor_norm([per_tensor], norm_type)  # the kernel's overflow-safe combine
-    return total
-
-
-def _combine(totals: Tensor, norm_type: float) -> Tensor:
-    if norm_type == 0.0:
-        return totals.sum()
-    total, _ = _ops.multi_tensor_norm([totals], norm_type)
-    return total
-
-
 def is_replicated(param) -> bool:
     return bool(getattr(param, _REPLICATED, False))
 
 
-def sharded_total_norm(grads: list[Tensor], replicated: list[bool], norm_type: float, process_group) -> Tensor:
-    """The global norm (float64, CPU, the same on every rank) of gradients sharded over the group;
-    replicated[i] says grads[i] is whole on every rank (counted by the group's first rank only)."""
+@dataclass
+class Shards:
+    """This rank's pieces of sharded gradients, and how to combine them with the other ranks'."""
+
+    local: list[Tensor]  # this rank's pieces (plain tensors: the kernels' input)
+    counted: list[bool]  # whether this rank counts local[i] (one copy of every element is counted)
+    groups: list  # process groups whose all_gathers, in turn, reach every rank holding a piece
+    # Whether every rank holds a piece of the same gradients in the same order (DTensors do, a
+    # hand-sharded optimizer need not): only then are per-tensor norms defined across ranks.
+    aligned: bool
+
+
+def hand_shards(grads: list[Tensor], replicated: list[bool], process_group, aligned: bool = False) -> Shards:
+    """Shards of a hand-sharded (ZeRO-style) optimizer: `grads` is this rank's share of the group's."""
     first = dist.get_rank(process_group) == 0
-    counted = [g for g, whole in zip(grads, replicated) if first or not whole]
-    local = _local_total64(counted, norm_type)
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(process_group))]
-    dist.all_gather(gathered, local, group=process_group)
-    return _combine(torch.stack(gathered), norm_type)
+    return Shards(grads, [first or not whole for whole in replicated], [process_group], aligned)
 
 
-# ---- DTensor gradients (FSDP2 fully_shard, torch.distributed.tensor) ----------------------------------
+def _identity(norm_type: float) -> float:
+    """A piece that adds nothing: 0 for positive orders (and p = 0's count); +inf for negative orders,
+    where |x|^p of inf is 0, and for -inf, a minimum."""
+    return math.inf if norm_type < 0 else 0.0
 
 
-def dtensor_shards(grads: list[Tensor]):
-    """(local tensors, replicated flags, process group) when every gradient is a DTensor on one 1-D
-    mesh with Shard or Replicate placements; None otherwise (torch's own DTensor path serves those).
+def _local_norms(shards: Shards, norm_type: float) -> Tensor:
+    """Each local piece's norm (float64, CPU), or the identity where this rank does not count it."""
+    values = torch.full((len(shards.local),), _identity(norm_type), dtype=torch.float64)
+    # An empty piece (a rank past the end of a small Shard(0) tensor) adds nothing: the identity.
+    counted = [i for i, c in enumerate(shards.counted) if c and shards.local[i].numel() > 0]
+    if counted:
+        # p = 0: torch's per-tensor 0-norm counts non-zero elements, and counts add across pieces.
+        _, norms = _ops.multi_tensor_norm([shards.local[i] for i in counted], norm_type)
+        values[counted] = norms
+    return values
 
-    Working on the local shards costs one Python step per gradient and one collective in all, where
-    torch's DTensor path dispatches every per-parameter op through DTensor's sharding propagation."""
+
+def _combine_rows(rows: Tensor, norm_type: float) -> Tensor:
+    """Column-wise: the norm of each column's pieces (rows are ranks), by the kernels' combine."""
+    if norm_type == 0.0:
+        return rows.sum(dim=0)
+    _, combined = _ops.multi_tensor_norm(list(rows.t().contiguous()), norm_type)
+    return combined
+
+
+def _total_of_tensor_norms(norms: Tensor, norm_type: float) -> Tensor:
+    """torch's total from per-tensor norms: their p-norm; for p = 0, the tensors with a non-zero norm."""
+    if norm_type == 0.0:
+        return (norms != 0).sum().to(torch.float64)
+    total, _ = _ops.multi_tensor_norm([norms], norm_type)
+    return total.to(torch.float64)
+
+
+def _all_combine(values: Tensor, norm_type: float, groups) -> Tensor:
+    """values (float64 vector, the same length on every rank) combined element-wise over the ranks of
+    each group in turn; the result is bit-identical on every rank (same inputs, same order)."""
+    for group in groups:
+        gathered = [torch.empty_like(values) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, values, group=group)
+        values = _combine_rows(torch.stack(gathered), norm_type)
+    return values
+
+
+def sharded_norms(shards: Shards, norm_type: float, per_tensor: bool = False) -> tuple[Tensor, Tensor | None]:
+    """(global total norm, global per-tensor norms or None), float64 on the CPU, the same on every rank.
+
+    Without per_tensor the collective carries one scalar per rank; with it (aligned shards only), one
+    value per gradient, and the total is formed from the global per-tensor norms. p = 0 takes the
+    per-tensor route whenever the shards are aligned: torch's p = 0 total counts whole tensors."""
+    if per_tensor and not shards.aligned:
+        raise ValueError("per_tensor: per-tensor norms need every rank to hold pieces of the same gradients "
+                         "in the same order (DTensor gradients do; hand-sharded lists need not)")
+    local = _local_norms(shards, norm_type)
+    if per_tensor or (norm_type == 0.0 and shards.aligned):
+        norms = _all_combine(local, norm_type, shards.groups)
+        return _total_of_tensor_norms(norms, norm_type), (norms if per_tensor else None)
+    if norm_type == 0.0:
+        # A piece counts as a tensor: sharding a tensor across ranks changes this count by design.
+        local_total = (local != 0).sum().to(torch.float64)
+    elif len(local):
+        local_total = _total_of_tensor_norms(local, norm_type)
+    else:
+        local_total = torch.tensor(_identity(norm_type), dtype=torch.float64)
+    return _all_combine(local_total.reshape(1), norm_type, shards.groups)[0], None
+
+
+# ---- DTensor gradients (FSDP2 fully_shard, HSDP, FSDP + TP, torch.distributed.tensor) -----------
+
+
+def _mesh_ranks(mesh) -> frozenset:
+    return frozenset(mesh.mesh.flatten().tolist())
+
+
+def _counted_here(dtensor) -> bool | None:
+    """Whether this rank counts its local shard; None for a Partial placement (a pending reduction,
+    not a gradient yet)."""
+    mesh = dtensor.device_mesh
+    counted = True
+    for dim, placement in enumerate(dtensor.placements):
+        if placement.is_replicate():
+            counted = counted and mesh.get_local_rank(dim) == 0
+        elif not placement.is_shard():
+            return None
+    return counted
+
+
+def dtensor_shards(grads: list[Tensor]) -> Shards | None:
+    """Shards for DTensor gradients with Shard and Replicate placements, on one mesh of any dimension
+    or on several meshes that all span every rank; None otherwise (torch's own DTensor path serves
+    those: Partial placements, meshes over different subsets of ranks).
+
+    One Python step per gradient and one all_gather in all (one per mesh dimension for a single mesh
+    over a subset of the ranks), where torch's DTensor path dispatches every per-parameter op through
+    DTensor's sharding propagation."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:
         return None
     if not grads or not all(type(g) is DTensor for g in grads):
         return None
-    mesh = grads[0].device_mesh
-    if mesh.ndim != 1 or any(g.device_mesh != mesh for g in grads):
-        return None
-    locals_, replicated = [], []
+    # Models have a handful of (mesh, placements) layouts and up to tens of thousands of gradients:
+    # decide once per layout (this halved the walk over 20,000 gradients).
+    counted_by_layout: dict = {}
+    counted = []
     for g in grads:
-        placement = g.placements[0]
-        if not (placement.is_shard() or placement.is_replicate()):
-            return None  # Partial: pending reductions, not gradients yet
-        locals_.append(g._local_tensor)
-        replicated.append(placement.is_replicate())
-    return locals_, replicated, mesh.get_group()
+        layout = (g.device_mesh, g.placements)
+        if layout not in counted_by_layout:
+            counted_by_layout[layout] = _counted_here(g)
+        counted.append(counted_by_layout[layout])
+    if any(c is None for c in counted_by_layout.values()):
+        return None
+    meshes = {mesh for mesh, _ in counted_by_layout}
+    if all(_mesh_ranks(m) == frozenset(range(dist.get_world_size())) for m in meshes):
+        groups = [dist.group.WORLD]
+    elif len(meshes) == 1:
+        (mesh,) = meshes
+        groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    else:
+        return None
+    return Shards([g._local_tensor for g in grads], counted, groups, aligned=True)
+
+
+def global_norms(parameters, norm_type: float = 2.0, *, process_group=None) -> tuple[Tensor, Tensor]:
+    """(total norm, per-gradient norms) of sharded gradients, for logging: float64 on the CPU, the same
+    on every rank, from one all_gather of one value per gradient. The parameters' gradients are
+    DTensors, or, with process_group, this rank's pieces of the same gradients as every other rank's,
+    in the same order (an empty piece where a rank holds none). Parameters without a gradient are
+    skipped."""
+    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in params]
+    if process_group is not None:
+        shards = hand_shards(grads, [is_replicated(p) for p in params], process_group, aligned=True)
+    else:
+        shards = dtensor_shards(grads)
+        if shards is None:
+            raise ValueError("parameters: without a process_group, global_norms takes DTensor gradients with "
+                             "Shard or Replicate placements")
+    return sharded_norms(shards, float(norm_type), per_tensor=True)
