@@ -4,11 +4,17 @@ Extensions:
   torchclip._C             op schemas (csrc/ops.cpp), CPU op implementations, Python helpers
   torchclip._cpu_<isa>     the CPU kernels (csrc/cpu/*_kernel.cpp), once per instruction set; the
                            package loads the best one the CPU supports at import (nothing is tuned to the build machine)
+  torchclip._cuda          the CUDA kernels and their op registrations (csrc/cuda/), when CUDA is built: a
+                           module of its own so that the CPU build never needs CUDA; imported after _C
 
 Build switches (environment variables):
   TORCHCLIP_CPU_ISAS   comma list of kernel libraries to build, from DEFAULT,AVX2,AVX512
                        (default: all three on x86-64, DEFAULT elsewhere)
-  TORCHCLIP_CUDA       1 to build the CUDA kernels, 0 not to, unset: when torch has CUDA and nvcc exists
+  TORCHCLIP_CUDA       1 to build the CUDA kernels (an error if torch has no CUDA or nvcc is missing), 0 not
+                       to, auto (the default): when torch has CUDA and nvcc is found (CUDA_HOME, else torch's
+                       search: nvcc on PATH, /usr/local/cuda)
+  TORCH_CUDA_ARCH_LIST the GPU architectures to compile for, e.g. "9.0" or "8.0;9.0+PTX" (torch's default: the
+                       GPUs of this machine, or every architecture torch supports when it has none)
   DEBUG                1 for -O0 -g builds (default 0)
   MAX_JOBS             parallel compile jobs (ninja; default: all cores)
 
@@ -20,6 +26,8 @@ import os
 import platform
 
 from setuptools import find_packages, setup
+import torch
+from torch.utils import cpp_extension
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -53,19 +61,62 @@ def cpu_isas():
     return names
 
 
+CUDA_SOURCES = [
+    "csrc/cuda/ops_cuda.cpp",
+    "csrc/cuda/norm_kernel.cu",
+    "csrc/cuda/scale_kernel.cu",
+    "csrc/cuda/clamp_kernel.cu",
+]
+
+
+def cuda_decision():
+    """(build the CUDA kernels?, why), from TORCHCLIP_CUDA, torch's CUDA version and nvcc."""
+    mode = os.environ.get("TORCHCLIP_CUDA", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "0", "1"):
+        raise SystemExit(f"TORCHCLIP_CUDA must be auto, 0 or 1, got {mode!r}")
+    if mode == "0":
+        return False, "TORCHCLIP_CUDA=0"
+    missing = []
+    if not torch.version.cuda:
+        missing.append(f"torch {torch.__version__} is not a CUDA build")
+    home = cpp_extension.CUDA_HOME
+    nvcc = os.path.join(home, "bin", "nvcc") if home else None
+    if not nvcc or not os.path.exists(nvcc):
+        missing.append("nvcc not found (set CUDA_HOME)")
+    elif not os.path.exists(os.path.join(home, "include", "cuda_runtime.h")):
+        # torch takes CUDA_HOME from `which nvcc`, which a wrapper script in /usr/local/bin misleads.
+        missing.append(f"no CUDA headers under {home}/include (set CUDA_HOME to the toolkit's directory)")
+    if missing:
+        if mode == "1":
+            raise SystemExit("TORCHCLIP_CUDA=1, but " + "; ".join(missing))
+        return False, "TORCHCLIP_CUDA=auto: " + "; ".join(missing)
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "torch's default")
+    return True, f"TORCHCLIP_CUDA={mode}: torch {torch.__version__} (CUDA {torch.version.cuda}), {nvcc}, arch {arch}"
+
+
+def cxx_standard():
+    # torch 2.14's headers need C++20 (std::strong_ordering, string_view::starts_with); older torches
+    # keep the C++17 the project is written in.
+    major, minor = (int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    return "-std=c++20" if (major, minor) >= (2, 14) else "-std=c++17"
+
+
 def optimisation():
     return ["-O0", "-g"] if DEBUG else ["-O3"]
 
 
 def extensions():
     isas = cpu_isas()
-    common = optimisation() + ["-std=c++17", "-Wall", "-Wno-unknown-pragmas"]
+    with_cuda, why = cuda_decision()
+    print(f"torchclip: CUDA kernels {'on' if with_cuda else 'off'} ({why})")
+    common = optimisation() + [cxx_standard(), "-Wall", "-Wno-unknown-pragmas"]
     exts = [
         CppExtension(
             "torchclip._C",
             ["csrc/ops.cpp", "csrc/ops_autograd.cpp", "csrc/cpu/ops_cpu.cpp", "csrc/cpu/kernel_loader.cpp", "csrc/python_module.cpp"],
             include_dirs=[os.path.join(ROOT, "csrc")],
-            define_macros=[("TORCHCLIP_CPU_CAPABILITIES", '"' + ",".join(isas) + '"')],
+            define_macros=[("TORCHCLIP_CPU_CAPABILITIES", '"' + ",".join(isas) + '"')]
+            + ([("TORCHCLIP_WITH_CUDA", "1")] if with_cuda else []),  # _C.cuda_built()
             extra_compile_args=common,
             extra_link_args=["-ldl"],
         )
@@ -81,6 +132,21 @@ def extensions():
                 # including file is compiled with -fopenmp; at run time it shares torch's libgomp.
                 extra_compile_args=common + ISA_FLAGS[isa] + ["-fvisibility=hidden", "-fopenmp"],
                 extra_link_args=["-fopenmp"],
+            )
+        )
+    if with_cuda:
+        from torch.utils.cpp_extension import CUDAExtension
+
+        exts.append(
+            CUDAExtension(
+                "torchclip._cuda",
+                CUDA_SOURCES,
+                include_dirs=[os.path.join(ROOT, "csrc")],
+                extra_compile_args={
+                    "cxx": common,
+                    # -lineinfo: profilers map time to source lines, at no cost to the code.
+                    "nvcc": optimisation() + [cxx_standard(), "-lineinfo", "-Xcompiler=-Wall"],
+                },
             )
         )
     return exts

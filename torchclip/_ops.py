@@ -29,6 +29,9 @@ if _built_against != torch.__version__.split("+")[0]:
         f"{torch.__version__} is installed. {_REBUILD}"
     )
 
+if _C.cuda_built():
+    from torchclip import _cuda  # noqa: F401  registers the CUDA kernels into _C's library, so after _C
+
 # ---- CPU kernel library selection -----------------------------------------------------------------
 
 # Weakest first: a CPU that runs one runs all before it.
@@ -179,19 +182,32 @@ def _clip_by_tensor_norm_fake(tensors, max_norm, nonfinite="propagate"):
     return tensors[0].new_empty((len(tensors),), dtype=torch.float64)
 
 
-def all_plain_cpu(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether the CPU ops serve all these tensors: strided, on CPU, and no tensor subclass (whose
-    arithmetic may mean something else). The Python twin of the C++ walk below, for the paths it
-    does not take; under torch.compile dynamo sees plain tensors."""
+# The devices whose kernels were built: the CPU always, CUDA when torchclip._cuda was (setup.py).
+KERNEL_DEVICES = ("cpu", "cuda") if _C.cuda_built() else ("cpu",)
+
+
+def kernels_serve(tensors: Sequence[torch.Tensor], devices: Sequence[str] = KERNEL_DEVICES) -> bool:
+    """Whether the torchclip ops serve all these tensors: strided, no tensor subclass (whose arithmetic
+    may mean something else), and all on one device of a type in `devices`. The Python twin of the
+    C++ walk below (which takes CPU tensors only), for the paths it does not take; under
+    torch.compile dynamo sees plain tensors."""
+    if not tensors:
+        return True
+    device = tensors[0].device
+    if device.type not in devices:
+        return False
     if torch.compiler.is_compiling():
-        return all(t.is_cpu and t.layout == torch.strided for t in tensors)
-    return all(t.is_cpu and t.layout == torch.strided and type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+        return all(t.device == device and t.layout == torch.strided for t in tensors)
+    return all(
+        t.device == device and t.layout == torch.strided and type(t) in (torch.Tensor, torch.nn.Parameter)
+        for t in tensors
+    )
 
 
 # ---- eager fast paths (csrc/python_module.cpp) ----------------------------------------------------
-# The parameter walk in C++ and the same ops through the C++ dispatcher. Each returns None (False for
-# the clamp) when some item is not a plain strided CPU tensor; the caller then takes the general
-# path. Dynamo cannot trace them: under torch.compile the callers use the op wrappers above.
+# The parameter walk in C++ and the CPU ops' own implementations. Each returns None (False for the
+# clamp) when some item is not a plain strided CPU tensor, or a dispatch mode is active; the caller
+# then takes the general path. Dynamo cannot trace them: under torch.compile the callers use the op wrappers above.
 total_norm_of_plain_cpu = _C.total_norm_of_plain_cpu
 clip_grad_norm_of_plain_cpu = _C.clip_grad_norm_of_plain_cpu
 clip_by_tensor_norm_of_plain_cpu = _C.clip_by_tensor_norm_of_plain_cpu

@@ -159,7 +159,7 @@ class ClipGradByValue(ClipGradBase):
     def _clip(self, grads):
         if not grads:
             return
-        if _ops.all_plain_cpu(grads):
+        if _ops.kernels_serve(grads):
             _ops.multi_tensor_clamp_(grads, self.min, self.max)
         else:
             for g in grads:
@@ -195,7 +195,7 @@ class ClipGradByNorm(ClipGradBase):
     def _clip(self, grads):
         if not grads:
             return
-        if _ops.all_plain_cpu(grads):
+        if _ops.kernels_serve(grads):
             self.last_norms = _ops.clip_by_tensor_norm_(grads, self.clip_norm, self.nonfinite)
             self._record(self.last_norms)
             return
@@ -278,7 +278,7 @@ class ClipGradByGlobalNorm(ClipGradBase):
     def _clip(self, grads):
         if not grads:
             return
-        if _ops.all_plain_cpu(grads):
+        if _ops.kernels_serve(grads):
             self.last_global_norm = _ops.clip_grad_norm_tensors_(
                 grads, self.clip_norm, 2.0, False, eps=0.0, norm_at_least_float32=True, nonfinite=self.nonfinite
             )

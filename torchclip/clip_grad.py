@@ -1,8 +1,9 @@
 """Drop-ins for torch.nn.utils' gradient clipping, on torchclip's fused multi-tensor kernels.
 
 torch.nn.utils (torch 2.13) is the specification: same signatures, defaults, return values (dtype,
-shape, device), warnings and errors. Plain strided CPU tensors take the kernels; anything else (other
-devices, sparse or subclassed tensors) takes torch's own implementation, so it is never wrong.
+shape, device), warnings and errors. Plain strided CPU tensors take the kernels, and CUDA tensors too
+when the CUDA kernels are built; anything else (other devices, sparse or subclassed tensors) takes
+torch's own implementation, so it is never wrong.
 
 Where torchclip differs, on purpose, it is more accurate, never less:
 
@@ -120,7 +121,7 @@ def get_total_norm(
         total_norm = _ops.total_norm_of_plain_cpu(tensors, norm_type, error_if_nonfinite)
         if total_norm is not None:
             return total_norm
-    elif _ops.all_plain_cpu(tensors):
+    elif _ops.kernels_serve(tensors):
         total_norm, _ = _ops.multi_tensor_norm(tensors, norm_type, error_if_nonfinite)
         return total_norm
     _check_tensors(tensors, "tensors")
@@ -151,7 +152,7 @@ def _check_finite(total: Tensor, norm_type: float, error_if_nonfinite: bool) -> 
 
 def _sharded_norm(shards, norm_type: float, error_if_nonfinite: bool) -> Tensor:
     """The global norm (float64, CPU, the same on every rank) of sharded gradients (torchclip.distributed)."""
-    if not _ops.all_plain_cpu(shards.local):
+    if not _ops.kernels_serve(shards.local, devices=("cpu",)):
         raise ValueError("process_group: sharded clipping runs on plain strided CPU gradients (gloo) for now")
     total, _ = _distributed().sharded_norms(shards, norm_type)
     _check_finite(total, norm_type, error_if_nonfinite)
@@ -172,7 +173,7 @@ def _total_norm_with_sparse(tensors: list[Tensor], norm_type: float, error_if_no
     device = tensors[0].device
     sparse = [t for t in tensors if _sparse.is_sparse(t)]
     dense = [t for t in tensors if not _sparse.is_sparse(t)]
-    kernel_served = _ops.all_plain_cpu(dense) and all(t.numel() > 0 for t in dense)
+    kernel_served = _ops.kernels_serve(dense) and all(t.numel() > 0 for t in dense)
     norms = [_sparse.norm64(t, norm_type).to(device) for t in sparse]
     if dense and kernel_served:  # one kernel call for all the dense ones
         norms.append(_ops.multi_tensor_norm(dense, norm_type)[1].to(device))
@@ -198,14 +199,14 @@ def clip_grads_with_norm_(
     """
     parameters = _as_list(parameters)
     grads = _grads(parameters)
-    if not _ops.all_plain_cpu(grads):
+    if not _ops.kernels_serve(grads):
         return _torch_clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
     max_norm = _as_number("max_norm", max_norm)
     if len(grads) == 0:
         return None
     clip_coef = max_norm / (total_norm + 1e-6)
     clip_coef_clamped = torch.clamp(clip_coef, max=1.0)
-    _ops.multi_tensor_scale_(grads, clip_coef_clamped.to("cpu"))
+    _ops.multi_tensor_scale_(grads, clip_coef_clamped.to(grads[0].device))
     return None
 
 
@@ -251,7 +252,7 @@ def clip_grad_norm_(
         if total_norm is not None:
             return total_norm
     grads = _grads(parameters)
-    if grads and _ops.all_plain_cpu(grads):
+    if grads and _ops.kernels_serve(grads):
         return _ops.clip_grad_norm_tensors_(
             grads, _as_number("max_norm", max_norm), _as_number("norm_type", norm_type), error_if_nonfinite
         )
@@ -304,7 +305,7 @@ def clip_grad_value_(
     grads = _grads(parameters)
     if not grads:
         return None
-    if _ops.all_plain_cpu(grads):
+    if _ops.kernels_serve(grads):
         _ops.multi_tensor_clamp_(grads, -clip_value, clip_value)
         return None
     if any(_sparse.is_sparse(g) for g in grads):

@@ -3,11 +3,9 @@
 // clip coefficients). Every check runs before any tensor is written, so an error leaves every
 // gradient as it was.
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -15,38 +13,14 @@
 
 #include "kernel_loader.h"
 #include "norm_total.h"
+#include "op_shared.h"
 #include "ops_cpu.h"
 
 namespace torchclip {
-namespace {
-
-using cpu::DType;
-using cpu::NormKind;
-using cpu::NormOrder;
-using cpu::TensorSpan;
-
-std::optional<DType> kernel_dtype(at::ScalarType type) {
-  switch (type) {
-    case at::kHalf:
-      return DType::Float16;
-    case at::kBFloat16:
-      return DType::BFloat16;
-    case at::kFloat:
-      return DType::Float32;
-    case at::kDouble:
-      return DType::Float64;
-    default:
-      return std::nullopt;
-  }
-}
-
-}  // namespace
 
 void Split::add(const at::Tensor& t, int64_t index) {
   promoted = index == 0 ? t.scalar_type() : c10::promoteTypes(promoted, t.scalar_type());
-  const auto dtype = kernel_dtype(t.scalar_type());
-  // A lazily negated view (neg bit) holds -x in memory as x: only ATen knows to flip it.
-  if (dtype && t.is_non_overlapping_and_dense() && !t.is_neg()) {
+  if (const auto dtype = kernel_dtype(t)) {
     spans.push_back({t.data_ptr(), t.numel(), *dtype});
     span_source.push_back(index);
   } else {
@@ -71,33 +45,6 @@ Split split_tensors(at::TensorList tensors, const char* op) {
 
 namespace {
 
-// ATen refuses to write in place into a tensor whose elements share memory (an expanded view);
-// refusing it before the first write keeps the promise that an error leaves every tensor as it was.
-// (Spans are non-overlapping by construction; only ATen's path can hold such a tensor.)
-void check_writable(at::TensorList tensors, const Split& split, const char* op) {
-  for (int64_t i : split.aten_path) {
-    TORCH_CHECK(at::has_internal_overlap(tensors[i]) != at::MemOverlap::Yes, op, ": tensors[", i,
-        "] has elements that share memory (an expanded view?), so it cannot be modified in place");
-  }
-}
-
-// Python's repr of a float, so messages read as torch's ("2.0", "inf").
-std::string python_float(double value) {
-  if (std::isnan(value)) {
-    return "nan";
-  }
-  if (std::isinf(value)) {
-    return value > 0 ? "inf" : "-inf";
-  }
-  char buffer[64];
-  auto end = std::to_chars(buffer, buffer + sizeof(buffer), value).ptr;
-  std::string text(buffer, end);
-  if (text.find_first_of(".en") == std::string::npos) {
-    text += ".0";
-  }
-  return text;
-}
-
 // The norm of a tensor the kernels do not take (complex, strided with gaps), by ATen in float64.
 // ATen does not scale: |x|^p leaves float64's range for magnitudes near its limits (squares beyond
 // ~1e154 or below ~1e-154). When that could have happened, the tensor is divided by its largest
@@ -120,36 +67,20 @@ double aten_norm(const at::Tensor& t, double ord) {
 
 // Per-tensor norms in float64: kernels for the spans, ATen (in float64) for the rest.
 std::vector<double> tensor_norms_wide(at::TensorList tensors, const Split& split, double ord, const char* op) {
-  const NormOrder order = cpu::norm_order(ord);
-  const bool needs_identity = order.kind == NormKind::Inf || order.kind == NormKind::NegInf ||
-      (order.kind == NormKind::General && ord < 0);
-  if (needs_identity) {
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      TORCH_CHECK(tensors[i].numel() > 0, op, ": cannot compute the ", python_float(ord),
-          " norm on an empty tensor because the operation does not have an identity (tensors[", i, "])");
-    }
-  }
+  check_norm_inputs(tensors, split.aten_path, ord, op);
   std::vector<double> norms(tensors.size());
   if (!split.spans.empty()) {
     std::vector<double> span_norms(split.spans.size());
-    cpu_kernels().tensor_norms(split.spans.data(), static_cast<int64_t>(split.spans.size()), order,
+    cpu_kernels().tensor_norms(split.spans.data(), static_cast<int64_t>(split.spans.size()), cpu::norm_order(ord),
         span_norms.data());
     for (size_t k = 0; k < split.spans.size(); ++k) {
       norms[split.span_source[k]] = span_norms[k];
     }
   }
   for (int64_t i : split.aten_path) {
-    const at::Tensor& t = tensors[i];
-    TORCH_CHECK(t.is_floating_point() || t.is_complex(), op, ": tensors[", i, "] has dtype ", t.scalar_type(),
-        "; a norm needs a floating point or complex dtype");
-    norms[i] = aten_norm(t, ord);
+    norms[i] = aten_norm(tensors[i], ord);
   }
   return norms;
-}
-
-// The dtype torch.nn.utils.get_total_norm returns: the promotion of the inputs, real for complex.
-at::ScalarType total_norm_dtype(const Split& split) {
-  return at::isComplexType(split.promoted) ? c10::toRealValueType(split.promoted) : split.promoted;
 }
 
 at::Tensor float64_vector(const std::vector<double>& values) {
@@ -189,28 +120,6 @@ void apply_scales(at::TensorList tensors, const Split& split, const std::vector<
   apply_scales(tensors, split, scales, [&](int64_t i) { return scales[i]; });
 }
 
-// The non-finite policies of the clipping ops (see ops.cpp).
-enum class NonFinite { Propagate, Raise, Skip };
-
-NonFinite parse_nonfinite(c10::string_view name, const char* op) {
-  if (name == "propagate") {
-    return NonFinite::Propagate;
-  }
-  if (name == "raise") {
-    return NonFinite::Raise;
-  }
-  TORCH_CHECK(name == "skip", op, ": nonfinite must be 'propagate', 'raise' or 'skip', got '", std::string(name), "'");
-  return NonFinite::Skip;
-}
-
-// torch's error for error_if_nonfinite, raised from the float64 total: finite gradients whose norm
-// only overflows a 16-bit result dtype are not an error (they can still be clipped exactly).
-void check_finite_total(double total, double norm_type, bool error_if_nonfinite) {
-  TORCH_CHECK(!error_if_nonfinite || std::isfinite(total), "The total norm of order ", python_float(norm_type),
-      " for gradients from `parameters` is non-finite, so it cannot be clipped. To disable this error and "
-      "scale the gradients by the non-finite norm anyway, set `error_if_nonfinite=False`");
-}
-
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_split(at::TensorList tensors, const Split& split, double ord,
@@ -218,12 +127,12 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_split(at::TensorList tensor
   const std::vector<double> norms = tensor_norms_wide(tensors, split, ord, "torchclip.multi_tensor_norm");
   const double total = cpu::total_norm(norms.data(), static_cast<int64_t>(norms.size()), cpu::norm_order(ord));
   check_finite_total(total, ord, error_if_nonfinite);
-  return {scalar_in_dtype(total, total_norm_dtype(split)), float64_vector(norms)};
+  return {scalar_in_dtype(total, total_norm_dtype(split.promoted)), float64_vector(norms)};
 }
 
 void multi_tensor_clamp_split(at::TensorList tensors, const Split& split, double min, double max) {
   constexpr const char* op = "torchclip.multi_tensor_clamp_";
-  check_writable(tensors, split, op);
+  check_writable(tensors, split.aten_path, op);
   for (int64_t i : split.aten_path) {
     TORCH_CHECK(!tensors[i].is_complex(), op, ": tensors[", i, "] has dtype ", tensors[i].scalar_type(),
         "; clamping is not defined for complex numbers");
@@ -242,7 +151,7 @@ at::Tensor clip_grad_norm_split(at::TensorList grads, const Split& split, double
     bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite) {
   constexpr const char* op = "torchclip.clip_grad_norm_";
   const NonFinite policy = parse_nonfinite(nonfinite, op);
-  check_writable(grads, split, op);
+  check_writable(grads, split.aten_path, op);
   const std::vector<double> norms = tensor_norms_wide(grads, split, norm_type, op);
   const double total = cpu::total_norm(norms.data(), static_cast<int64_t>(norms.size()), cpu::norm_order(norm_type));
   check_finite_total(total, norm_type, error_if_nonfinite || policy == NonFinite::Raise);
@@ -251,7 +160,7 @@ at::Tensor clip_grad_norm_split(at::TensorList grads, const Split& split, double
   const bool skip = policy == NonFinite::Skip && !std::isfinite(total);
   const double coefficient = skip ? 1.0 : std::min(max_norm * (1.0 / (total + eps)), 1.0);
   apply_scales(grads, split, std::vector<double>(grads.size(), coefficient));
-  at::ScalarType dtype = grads.empty() ? at::kFloat : total_norm_dtype(split);
+  at::ScalarType dtype = grads.empty() ? at::kFloat : total_norm_dtype(split.promoted);
   if (norm_at_least_float32) {
     dtype = c10::promoteTypes(dtype, at::kFloat);
   }
@@ -262,11 +171,10 @@ at::Tensor clip_by_tensor_norm_split(at::TensorList tensors, const Split& split,
     c10::string_view nonfinite) {
   constexpr const char* op = "torchclip.clip_by_tensor_norm_";
   const NonFinite policy = parse_nonfinite(nonfinite, op);
-  check_writable(tensors, split, op);
+  check_writable(tensors, split.aten_path, op);
   const std::vector<double> norms = tensor_norms_wide(tensors, split, 2.0, op);
   const bool any_nonfinite = std::any_of(norms.begin(), norms.end(), [](double n) { return !std::isfinite(n); });
-  TORCH_CHECK(!(any_nonfinite && policy == NonFinite::Raise), op, ": a gradient's norm is non-finite (NaN or inf), "
-      "so it cannot be clipped; no gradient was changed");
+  TORCH_CHECK(!(any_nonfinite && policy == NonFinite::Raise), op, kTensorNormNonFinite);
   std::vector<double> scales(norms.size(), 1.0);
   for (size_t i = 0; i < norms.size() && !(any_nonfinite && policy == NonFinite::Skip); ++i) {
     // Unchanged when norm <= max_norm; otherwise max_norm / norm (NaN for a NaN norm: propagated).
@@ -293,10 +201,10 @@ void multi_tensor_scale_cpu(at::TensorList tensors, const at::Tensor& scale) {
   TORCH_CHECK(scale.device().is_cpu(), op, ": scale is on ", scale.device(), "; expected CPU");
   TORCH_CHECK(!scale.is_complex(), op, ": scale has dtype ", scale.scalar_type(), "; expected a real dtype");
   Split split = split_tensors(tensors, op);
-  check_writable(tensors, split, op);
+  check_writable(tensors, split.aten_path, op);
   // torch multiplies a 0-d tensor by a 0-d scale in their promoted dtype (float32 x float64 in
   // float64), unlike any tensor with dimensions: leave those to ATen, which knows the rule.
-  std::vector<TensorSpan> spans;
+  std::vector<cpu::TensorSpan> spans;
   std::vector<int64_t> sources;
   for (size_t k = 0; k < split.spans.size(); ++k) {
     const at::Tensor& t = tensors[split.span_source[k]];

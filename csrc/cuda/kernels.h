@@ -1,0 +1,68 @@
+// The CUDA kernels' host-side entry points, over plain spans so that the ATen-facing code
+// (ops_cuda.cpp, compiled by the host compiler) and the device code (*.cu, compiled by nvcc) share
+// no heavy headers: nvcc only ever sees these declarations, the CUDA runtime and c10's error macros.
+//
+// Every function only enqueues work on `stream` and returns: none reads a device value on the host,
+// so none synchronises, and all of them can be captured in a CUDA graph (their metadata travels as
+// kernel parameters, never through host buffers that a replay would read again).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "cpu/kernel_table.h"  // DType, NormKind, NormOrder: the same vocabulary as the CPU kernels
+
+namespace torchclip::cuda {
+
+using cpu::DType;
+using cpu::NormKind;
+using cpu::NormOrder;
+
+// A dense, non-overlapping float16/bfloat16/float32/float64 run of `numel` elements (element order is
+// irrelevant to every op, as on the CPU), and `index`, its position in the op's tensor list: where
+// its norm is written and where its scale is read.
+struct DeviceSpan {
+  void* data;
+  int64_t numel;
+  DType dtype;
+  int32_t index;
+};
+
+// The norm pass's scratch: one fixed slot per chunk of every span longer than one chunk, each chunk's
+// partial result written to its own slot and summed in slot order (never by atomics), so the result
+// does not depend on the order blocks run in.
+int64_t norm_slot_count(const DeviceSpan* spans, int64_t count);
+constexpr int64_t kNormSlotBytes = 24;
+
+// norms[spans[k].index] = the `order`-norm of spans[k], in float64, with the CPU kernels' guarantees:
+// every element widened to float64 before it is accumulated (fp32 values of 1e20 square to 1e40, fine
+// in float64), and float64 data whose |x|^p would leave float64's range summed again, scaled.
+// `slots` holds norm_slot_count() slots; `arrivals` one zeroed int32 per list position (both may be
+// null when no span is longer than one chunk).
+void tensor_norms(const DeviceSpan* spans, int64_t count, NormOrder order, double* norms, void* slots,
+    int32_t* arrivals, cudaStream_t stream);
+
+// *total = the `order`-norm of norms[0, count) (torch.nn.utils.get_total_norm's definition, as
+// cpu/norm_total.h evaluates it). When `coefficient` is not null, also
+// *coefficient = min(max_norm / (*total + eps), 1), NaN kept, or 1 when skip_nonfinite and the total is
+// NaN or inf: the clip coefficient, computed where the norm is, so the host never waits for it.
+void total_norm(const double* norms, int64_t count, NormOrder order, double* total, double* coefficient,
+    double max_norm, double eps, bool skip_nonfinite, cudaStream_t stream);
+
+// Per-tensor clipping coefficients from per-tensor 2-norms: scales[i] = 1 where norms[i] <= max_norm,
+// else max_norm / norms[i] (NaN for a NaN norm); all 1 when skip_nonfinite and any norm is NaN or inf.
+// *any_nonfinite is set to 1 or 0.
+void tensor_clip_scales(const double* norms, int64_t count, double max_norm, bool skip_nonfinite, double* scales,
+    int32_t* any_nonfinite, cudaStream_t stream);
+
+// spans[k] *= scales[spans[k].index * stride] in place (stride 0: one coefficient for all), read from
+// device memory by each block, which returns at once when it is exactly 1 (rounded to float32 for
+// 16/32-bit data): clipping that is not needed writes nothing. Rounding as the CPU kernel's.
+void scale(const DeviceSpan* spans, int64_t count, const double* scales, int64_t stride, cudaStream_t stream);
+
+// spans[k] = min(max(spans[k], lo), hi) in one read-write pass; NaN elements stay NaN, a NaN bound
+// makes every element NaN (torch's clamp_min_ then clamp_max_).
+void clamp(const DeviceSpan* spans, int64_t count, double lo, double hi, cudaStream_t stream);
+
+}  // namespace torchclip::cuda

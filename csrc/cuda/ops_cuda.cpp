@@ -1,0 +1,313 @@
+// CUDA implementations of the torchclip ops: the CPU ops' checks, split and cross-tensor rules
+// (cpu/ops_cpu.cpp is the specification), with every number computed on the device.
+//
+// No op waits for the device, except where the CPU op raises on a computed value
+// (error_if_nonfinite=True, nonfinite="raise"): the check needs the value on the host, and torch's
+// clip_grad_norm_ synchronises there too. Per-tensor norms, the total, the clip coefficient and the
+// per-tensor scales stay in device memory, and the scaling kernel reads them there.
+//
+// As on the CPU, dense float16/bfloat16/float32/float64 tensors go to the kernels; the rest (complex,
+// integer, strided views with gaps or overlaps, lazily negated views) take ATen's ops on the device,
+// which are correct for all. Every check runs before any tensor is written.
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "cpu/norm_total.h"  // norm_order: the same classification of p as the CPU ops
+#include "cuda/kernels.h"
+#include "op_shared.h"
+
+namespace torchclip {
+namespace {
+
+using cuda::DeviceSpan;
+using cuda::DType;
+using cuda::NormKind;
+using cuda::NormOrder;
+
+// How a list is served: `spans` by the kernels, `aten_path` (indices) by ATen.
+struct DeviceSplit {
+  c10::Device device{c10::kCUDA};
+  std::vector<DeviceSpan> spans;
+  std::vector<int64_t> aten_path;
+  at::ScalarType promoted = at::kFloat;
+};
+
+// The device an op runs on: its first CUDA tensor's (the dispatcher chose the CUDA kernel because
+// some argument is on CUDA), else `other`'s (the scale of multi_tensor_scale_ with no tensors).
+c10::Device op_device(at::TensorList tensors, const at::Tensor* other) {
+  for (const at::Tensor& t : tensors) {
+    if (t.defined() && t.is_cuda()) {
+      return t.device();
+    }
+  }
+  if (other != nullptr && other->defined() && other->is_cuda()) {
+    return other->device();
+  }
+  return c10::Device(c10::kCUDA, c10::cuda::current_device());
+}
+
+// Checks every tensor (defined, on `device`, strided; errors name `op` and the index) and splits the
+// list as cpu/ops_cpu.cpp's Split::add does.
+DeviceSplit split_tensors(at::TensorList tensors, const char* op, c10::Device device) {
+  TORCH_CHECK(tensors.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()), op, ": ", tensors.size(),
+      " tensors is more than the CUDA kernels take in one call (2^31 - 1)");
+  DeviceSplit split;
+  split.device = device;
+  split.spans.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK(t.defined(), op, ": tensors[", i, "] is an undefined tensor");
+    TORCH_CHECK(t.device() == device, op, ": tensors[", i, "] is on ", t.device(), "; expected ", device,
+        " (the CUDA kernels take the tensors of one call on one CUDA device)");
+    TORCH_CHECK(t.layout() == at::kStrided, op, ": tensors[", i, "] has layout ", t.layout(),
+        "; only strided tensors are supported here");
+    split.promoted = i == 0 ? t.scalar_type() : c10::promoteTypes(split.promoted, t.scalar_type());
+    if (const auto dtype = kernel_dtype(t)) {
+      split.spans.push_back({t.data_ptr(), t.numel(), *dtype, static_cast<int32_t>(i)});
+    } else {
+      split.aten_path.push_back(static_cast<int64_t>(i));
+    }
+  }
+  return split;
+}
+
+at::TensorOptions float64_on(c10::Device device) {
+  return at::TensorOptions().dtype(at::kDouble).device(device);
+}
+
+// The norm of a tensor the kernels do not take, by ATen in float64, as a 0-d device tensor. ATen does
+// not scale, so |x|^p can leave float64's range (float64 squares beyond ~1e154); the CPU op then
+// recomputes from x / max|x| (min|x| for p < 0). That choice depends on the norm, which the host must
+// not wait for, so here both are computed and at::where picks on the device. 16/32-bit data needs
+// neither for 0 < p <= 2 (|x|^p stays within [2e-90, 1.2e77]), and skips the extra passes.
+at::Tensor aten_norm(const at::Tensor& t, double ord) {
+  const auto wide = t.is_complex() ? at::kComplexDouble : at::kDouble;
+  at::Tensor norm = at::linalg_vector_norm(t, ord, std::nullopt, false, wide);
+  const bool wide_input = t.scalar_type() == at::kDouble || t.scalar_type() == at::kComplexDouble;
+  if (!std::isfinite(ord) || ord == 0.0 || t.numel() == 0 || (!wide_input && ord > 0.0 && ord <= 2.0)) {
+    return norm;
+  }
+  const at::Tensor magnitudes = t.abs();
+  const at::Tensor scale = (ord > 0 ? magnitudes.max() : magnitudes.min()).to(at::kDouble);
+  const at::Tensor scaled = scale * at::linalg_vector_norm(t.to(wide) / scale, ord, std::nullopt, false, wide);
+  const at::Tensor may_have_left_range = norm.isinf().logical_or(norm.lt(1e-290));
+  const at::Tensor usable = scale.isfinite().logical_and(scale.ne(0.0));
+  return at::where(may_have_left_range.logical_and(usable), scaled, norm);
+}
+
+// Per-tensor norms in float64, on the device: kernels for the spans, ATen for the rest.
+at::Tensor tensor_norms(at::TensorList tensors, const DeviceSplit& split, double ord, const char* op,
+    cudaStream_t stream) {
+  const NormOrder order = cpu::norm_order(ord);
+  check_norm_inputs(tensors, split.aten_path, ord, op);
+  const int64_t count = static_cast<int64_t>(tensors.size());
+  // The kernels launch no block for an empty tensor, whose norm (for the orders that allow one) is 0.
+  const bool any_empty = std::any_of(split.spans.begin(), split.spans.end(), [](const DeviceSpan& s) {
+    return s.numel == 0;
+  });
+  at::Tensor norms =
+      any_empty ? at::zeros({count}, float64_on(split.device)) : at::empty({count}, float64_on(split.device));
+  if (!split.spans.empty()) {
+    const int64_t span_count = static_cast<int64_t>(split.spans.size());
+    const int64_t slot_count = cuda::norm_slot_count(split.spans.data(), span_count);
+    at::Tensor slots, arrivals;
+    if (slot_count > 0) {
+      slots = at::empty({slot_count * cuda::kNormSlotBytes}, float64_on(split.device).dtype(at::kByte));
+      arrivals = at::zeros({count}, float64_on(split.device).dtype(at::kInt));
+    }
+    cuda::tensor_norms(split.spans.data(), span_count, order, norms.data_ptr<double>(),
+        slot_count > 0 ? slots.data_ptr() : nullptr, slot_count > 0 ? arrivals.data_ptr<int32_t>() : nullptr, stream);
+  }
+  for (int64_t i : split.aten_path) {
+    norms.select(0, i).copy_(aten_norm(tensors[i], ord));
+  }
+  return norms;
+}
+
+// t *= coefficient (a 0-d float64 device tensor) for a tensor ATen serves, rounded as the CPU op's
+// mul_(double) rounds: 16-bit data multiplied in float32 and rounded once, 32/64-bit data in its own
+// precision. (Multiplying by the float64 tensor itself would leave the rounding to type promotion.)
+void aten_scale(const at::Tensor& t, const at::Tensor& coefficient) {
+  const at::ScalarType type = t.scalar_type();
+  if (type == at::kHalf || type == at::kBFloat16) {
+    t.copy_(t.to(at::kFloat).mul_(coefficient.to(at::kFloat)));
+  } else if (at::isComplexType(type)) {
+    t.mul_(coefficient.to(c10::toRealValueType(type)));
+  } else {
+    t.mul_(coefficient.to(type));
+  }
+}
+
+cudaStream_t current_stream() {
+  return c10::cuda::getCurrentCUDAStream().stream();
+}
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_cuda(at::TensorList tensors, double ord, bool error_if_nonfinite) {
+  constexpr const char* op = "torchclip.multi_tensor_norm";
+  const c10::Device device = op_device(tensors, nullptr);
+  const c10::cuda::CUDAGuard guard(device);
+  const DeviceSplit split = split_tensors(tensors, op, device);
+  const cudaStream_t stream = current_stream();
+  const at::Tensor norms = tensor_norms(tensors, split, ord, op, stream);
+  at::Tensor total = at::empty({}, float64_on(device));
+  cuda::total_norm(norms.data_ptr<double>(), norms.numel(), cpu::norm_order(ord), total.data_ptr<double>(), nullptr,
+      0.0, 0.0, false, stream);
+  if (error_if_nonfinite) {
+    check_finite_total(total.item<double>(), ord, true);  // the check needs the value: a sync, as torch's
+  }
+  return {total.to(total_norm_dtype(split.promoted)), norms};
+}
+
+void multi_tensor_scale_cuda(at::TensorList tensors, const at::Tensor& scale) {
+  constexpr const char* op = "torchclip.multi_tensor_scale_";
+  const int64_t count = static_cast<int64_t>(tensors.size());
+  TORCH_CHECK(scale.dim() == 0 || (scale.dim() == 1 && scale.size(0) == count), op,
+      ": scale must be a 0-d tensor or a 1-d tensor with one entry per tensor (", count, "), got shape ",
+      scale.sizes());
+  const c10::Device device = op_device(tensors, &scale);
+  // A CPU scale is accepted, as torch's mul_ accepts a CPU scalar tensor with CUDA tensors.
+  TORCH_CHECK(scale.is_cpu() || scale.device() == device, op, ": scale is on ", scale.device(), "; expected ", device,
+      " or the CPU");
+  TORCH_CHECK(!scale.is_complex(), op, ": scale has dtype ", scale.scalar_type(), "; expected a real dtype");
+  const c10::cuda::CUDAGuard guard(device);
+  DeviceSplit split = split_tensors(tensors, op, device);
+  check_writable(tensors, split.aten_path, op);
+  // torch multiplies a 0-d tensor by a 0-d scale in their promoted dtype (float32 x float64 in
+  // float64), unlike any tensor with dimensions: leave those to ATen, which knows the rule.
+  std::vector<DeviceSpan> spans;
+  for (const DeviceSpan& span : split.spans) {
+    const at::Tensor& t = tensors[span.index];
+    if (t.dim() == 0 && at::promote_types(t.scalar_type(), scale.scalar_type()) != t.scalar_type()) {
+      split.aten_path.push_back(span.index);
+    } else {
+      spans.push_back(span);
+    }
+  }
+  // The factors as float64 on the device. A CPU 0-d scale is read on the host (no device involved)
+  // and written by a fill kernel; a CPU 1-d scale is copied over.
+  const at::Tensor factors = scale.is_cpu() && scale.dim() == 0
+      ? at::full({}, scale.item<double>(), float64_on(device))
+      : scale.to(device, at::kDouble).contiguous();
+  if (!spans.empty()) {
+    cuda::scale(spans.data(), static_cast<int64_t>(spans.size()), factors.data_ptr<double>(), scale.dim() == 0 ? 0 : 1,
+        current_stream());
+  }
+  // The CPU op skips ATen's multiply when the factor is exactly 1; that test would need the value on
+  // the host, and x * 1 == x for every x, so here it always multiplies.
+  for (int64_t i : split.aten_path) {
+    tensors[i].mul_(scale.dim() == 0 ? scale : scale[i]);
+  }
+}
+
+void multi_tensor_clamp_cuda(at::TensorList tensors, double min, double max) {
+  constexpr const char* op = "torchclip.multi_tensor_clamp_";
+  const c10::Device device = op_device(tensors, nullptr);
+  const c10::cuda::CUDAGuard guard(device);
+  const DeviceSplit split = split_tensors(tensors, op, device);
+  check_writable(tensors, split.aten_path, op);
+  for (int64_t i : split.aten_path) {
+    TORCH_CHECK(!tensors[i].is_complex(), op, ": tensors[", i, "] has dtype ", tensors[i].scalar_type(),
+        "; clamping is not defined for complex numbers");
+    TORCH_CHECK(tensors[i].scalar_type() != at::kBool, op, ": tensors[", i, "] has dtype bool; clamping "
+        "needs a numeric dtype");
+  }
+  if (!split.spans.empty()) {
+    cuda::clamp(split.spans.data(), static_cast<int64_t>(split.spans.size()), min, max, current_stream());
+  }
+  for (int64_t i : split.aten_path) {
+    tensors[i].clamp_min_(min).clamp_max_(max);
+  }
+}
+
+at::Tensor clip_grad_norm_cuda(at::TensorList grads, double max_norm, double norm_type, bool error_if_nonfinite,
+    double eps, bool norm_at_least_float32, c10::string_view nonfinite) {
+  constexpr const char* op = "torchclip.clip_grad_norm_";
+  const NonFinite policy = parse_nonfinite(nonfinite, op);
+  const c10::Device device = op_device(grads, nullptr);
+  const c10::cuda::CUDAGuard guard(device);
+  const DeviceSplit split = split_tensors(grads, op, device);
+  check_writable(grads, split.aten_path, op);
+  const cudaStream_t stream = current_stream();
+  const at::Tensor norms = tensor_norms(grads, split, norm_type, op, stream);
+  at::Tensor total = at::empty({}, float64_on(device));
+  at::Tensor coefficient = at::empty({}, float64_on(device));
+  // torch's coefficient, max_norm / (total_norm + eps) clamped to at most 1, from the float64 norm and
+  // on the device; 1 for a non-finite norm under "skip".
+  cuda::total_norm(norms.data_ptr<double>(), norms.numel(), cpu::norm_order(norm_type), total.data_ptr<double>(),
+      coefficient.data_ptr<double>(), max_norm, eps, policy == NonFinite::Skip, stream);
+  if (error_if_nonfinite || policy == NonFinite::Raise) {
+    check_finite_total(total.item<double>(), norm_type, true);  // the check needs the value: a sync, as torch's
+  }
+  if (!split.spans.empty()) {
+    cuda::scale(split.spans.data(), static_cast<int64_t>(split.spans.size()), coefficient.data_ptr<double>(), 0,
+        stream);
+  }
+  for (int64_t i : split.aten_path) {
+    aten_scale(grads[i], coefficient);
+  }
+  at::ScalarType dtype = grads.empty() ? at::kFloat : total_norm_dtype(split.promoted);
+  if (norm_at_least_float32) {
+    dtype = c10::promoteTypes(dtype, at::kFloat);
+  }
+  return total.to(dtype);
+}
+
+at::Tensor clip_by_tensor_norm_cuda(at::TensorList tensors, double max_norm, c10::string_view nonfinite) {
+  constexpr const char* op = "torchclip.clip_by_tensor_norm_";
+  const NonFinite policy = parse_nonfinite(nonfinite, op);
+  const c10::Device device = op_device(tensors, nullptr);
+  const c10::cuda::CUDAGuard guard(device);
+  const DeviceSplit split = split_tensors(tensors, op, device);
+  check_writable(tensors, split.aten_path, op);
+  const cudaStream_t stream = current_stream();
+  const at::Tensor norms = tensor_norms(tensors, split, 2.0, op, stream);
+  const at::Tensor scales = at::empty({norms.numel()}, float64_on(device));
+  const at::Tensor any_nonfinite = at::empty({}, float64_on(device).dtype(at::kInt));
+  cuda::tensor_clip_scales(norms.data_ptr<double>(), norms.numel(), max_norm, policy == NonFinite::Skip,
+      scales.data_ptr<double>(), any_nonfinite.data_ptr<int32_t>(), stream);
+  if (policy == NonFinite::Raise) {
+    TORCH_CHECK(any_nonfinite.item<int32_t>() == 0, op, kTensorNormNonFinite);  // a sync, for the check
+  }
+  if (!split.spans.empty()) {
+    cuda::scale(split.spans.data(), static_cast<int64_t>(split.spans.size()), scales.data_ptr<double>(), 1, stream);
+  }
+  for (int64_t i : split.aten_path) {
+    aten_scale(tensors[i], scales.select(0, i));
+  }
+  return norms;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchclip, CUDA, m) {
+  m.impl("multi_tensor_norm", &multi_tensor_norm_cuda);
+  m.impl("multi_tensor_scale_", &multi_tensor_scale_cuda);
+  m.impl("multi_tensor_clamp_", &multi_tensor_clamp_cuda);
+  m.impl("clip_grad_norm_", &clip_grad_norm_cuda);
+  m.impl("clip_by_tensor_norm_", &clip_by_tensor_norm_cuda);
+}
+
+}  // namespace torchclip
+
+// torchclip._cuda is a Python extension module only so that `import` can load it; loading it runs the
+// registration above (into the library torchclip._C defines, so _C is imported first). It defines no
+// Python names.
+PyMODINIT_FUNC PyInit__cuda(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "torchclip._cuda",
+      "torchclip's CUDA kernels, registered with the dispatcher on import.", -1, nullptr, nullptr, nullptr, nullptr,
+      nullptr};
+  return PyModule_Create(&module);
+}

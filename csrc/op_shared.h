@@ -1,0 +1,119 @@
+// Host-side pieces every device's op implementation shares (cpu/ops_cpu.cpp, cuda/ops_cuda.cpp), so
+// that an op takes the same tensors to its kernels, checks the same things and says the same words on
+// every device: which tensors the kernels take, the checks made before any write, the non-finite
+// policies, the result dtype and the messages. Header-only: each extension module (torchclip._C,
+// torchclip._cuda) compiles its own copy, as they share no link-time symbols.
+#pragma once
+
+#include <ATen/MemoryOverlap.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <c10/util/string_view.h>
+
+#include <charconv>
+#include <cmath>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cpu/kernel_table.h"
+
+namespace torchclip {
+
+// The storage type the kernels take a tensor as, or nullopt when ATen must serve it: the kernels walk
+// dense float16/bfloat16/float32/float64 runs; complex, integer, views with gaps or overlaps go to
+// ATen, which is correct for all. A lazily negated view (neg bit) holds -x in memory as x: only ATen
+// knows to flip it.
+inline std::optional<cpu::DType> kernel_dtype(const at::Tensor& t) {
+  if (!t.is_non_overlapping_and_dense() || t.is_neg()) {
+    return std::nullopt;
+  }
+  switch (t.scalar_type()) {
+    case at::kHalf:
+      return cpu::DType::Float16;
+    case at::kBFloat16:
+      return cpu::DType::BFloat16;
+    case at::kFloat:
+      return cpu::DType::Float32;
+    case at::kDouble:
+      return cpu::DType::Float64;
+    default:
+      return std::nullopt;
+  }
+}
+
+// The dtype torch.nn.utils.get_total_norm returns: the promotion of the inputs, real for complex.
+inline at::ScalarType total_norm_dtype(at::ScalarType promoted) {
+  return at::isComplexType(promoted) ? c10::toRealValueType(promoted) : promoted;
+}
+
+// ATen refuses to write in place into a tensor whose elements share memory (an expanded view);
+// refusing it before the first write keeps the promise that an error leaves every tensor as it was.
+// (The kernels' spans are non-overlapping by construction; only ATen's path can hold such a tensor.)
+inline void check_writable(at::TensorList tensors, const std::vector<int64_t>& aten_path, const char* op) {
+  for (int64_t i : aten_path) {
+    TORCH_CHECK(at::has_internal_overlap(tensors[i]) != at::MemOverlap::Yes, op, ": tensors[", i,
+        "] has elements that share memory (an expanded view?), so it cannot be modified in place");
+  }
+}
+
+// Python's repr of a float, so messages read as torch's ("2.0", "inf").
+inline std::string python_float(double value) {
+  if (std::isnan(value)) {
+    return "nan";
+  }
+  if (std::isinf(value)) {
+    return value > 0 ? "inf" : "-inf";
+  }
+  char buffer[64];
+  auto end = std::to_chars(buffer, buffer + sizeof(buffer), value).ptr;
+  std::string text(buffer, end);
+  if (text.find_first_of(".en") == std::string::npos) {
+    text += ".0";
+  }
+  return text;
+}
+
+// The non-finite policies of the clipping ops (see ops.cpp).
+enum class NonFinite { Propagate, Raise, Skip };
+
+inline NonFinite parse_nonfinite(c10::string_view name, const char* op) {
+  if (name == "propagate") {
+    return NonFinite::Propagate;
+  }
+  if (name == "raise") {
+    return NonFinite::Raise;
+  }
+  TORCH_CHECK(name == "skip", op, ": nonfinite must be 'propagate', 'raise' or 'skip', got '", std::string(name), "'");
+  return NonFinite::Skip;
+}
+
+// torch's error for error_if_nonfinite, raised from the float64 total: finite gradients whose norm
+// only overflows a 16-bit result dtype are not an error (they can still be clipped exactly).
+inline void check_finite_total(double total, double norm_type, bool error_if_nonfinite) {
+  TORCH_CHECK(!error_if_nonfinite || std::isfinite(total), "The total norm of order ", python_float(norm_type),
+      " for gradients from `parameters` is non-finite, so it cannot be clipped. To disable this error and "
+      "scale the gradients by the non-finite norm anyway, set `error_if_nonfinite=False`");
+}
+
+// What a norm of order `ord` needs of its inputs, as torch's vector_norm: orders without an identity
+// (inf, -inf, negative) refuse empty tensors, and ATen's path a dtype that is not floating or complex.
+inline void check_norm_inputs(at::TensorList tensors, const std::vector<int64_t>& aten_path, double ord,
+    const char* op) {
+  if (std::isinf(ord) || ord < 0) {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      TORCH_CHECK(tensors[i].numel() > 0, op, ": cannot compute the ", python_float(ord),
+          " norm on an empty tensor because the operation does not have an identity (tensors[", i, "])");
+    }
+  }
+  for (int64_t i : aten_path) {
+    TORCH_CHECK(tensors[i].is_floating_point() || tensors[i].is_complex(), op, ": tensors[", i, "] has dtype ",
+        tensors[i].scalar_type(), "; a norm needs a floating point or complex dtype");
+  }
+}
+
+// The message of the per-tensor clipping op when any norm is non-finite and the policy is "raise".
+constexpr const char* kTensorNormNonFinite =
+    ": a gradient's norm is non-finite (NaN or inf), so it cannot be clipped; no gradient was changed";
+
+}  // namespace torchclip
