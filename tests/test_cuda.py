@@ -17,6 +17,8 @@ from testing import (
     NORM_TYPES,
     assert_close_rel,
     assert_norm_close,
+    clone_params,
+    make_params,
     make_tensor,
     reference_norm,
 )
@@ -464,28 +466,14 @@ def test_opcheck_on_cuda(name):
 
 
 def cuda_params(dtype, seed, scale=1.0):
-    params = []
-    for i, size in enumerate([1000, 65537, 7, 300001]):
-        p = torch.nn.Parameter(torch.zeros(size, dtype=dtype, device=CUDA))
-        p.grad = cuda_tensor((size,), dtype, seed + i, scale)
-        params.append(p)
-    return params
-
-
-def twins(params):
-    out = []
-    for p in params:
-        q = torch.nn.Parameter(p.detach().clone())
-        q.grad = p.grad.clone()
-        out.append(q)
-    return out
+    return clone_params(make_params([((n,), dtype) for n in (1000, 65537, 7, 300001)], seed, scale), device=CUDA)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
 def test_drop_ins_route_cuda_gradients_to_the_kernels(dtype, norm_type):
     ours = cuda_params(dtype, seed=51, scale=3.0)
-    theirs = twins(ours)
+    theirs = clone_params(ours)
     reference = reference_norm([p.grad for p in ours], norm_type)
     total = torchclip.clip_grad_norm_(ours, 1.0, norm_type)
     expected = torch.nn.utils.clip_grad_norm_(theirs, 1.0, norm_type)
@@ -494,7 +482,7 @@ def test_drop_ins_route_cuda_gradients_to_the_kernels(dtype, norm_type):
     for p, q in zip(ours, theirs):
         torch.testing.assert_close(p.grad.double(), q.grad.double(), rtol=CLIP_RTOL[dtype], atol=1e-6)
     ours = cuda_params(dtype, seed=53, scale=3.0)
-    theirs = twins(ours)
+    theirs = clone_params(ours)
     torchclip.clip_grad_value_(ours, 0.5)
     torch.nn.utils.clip_grad_value_(theirs, 0.5)
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(ours, theirs))

@@ -56,13 +56,14 @@ def make_params(specs, seed=0, scale=1.0, none_every=0):
     return params
 
 
-def clone_params(params):
-    """Copies of params and their gradients (for the oracle: values, not layouts, must match)."""
+def clone_params(params, device=None):
+    """Copies of params and their gradients (for the oracle: values, not layouts, must match), on
+    `device` when given."""
     out = []
     for p in params:
-        q = torch.nn.Parameter(p.detach().clone())
+        q = torch.nn.Parameter(p.detach().clone().to(device))
         if p.grad is not None:
-            q.grad = p.grad.clone()
+            q.grad = p.grad.clone().to(device)
         out.append(q)
     return out
 

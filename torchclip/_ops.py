@@ -7,6 +7,7 @@ let the ops trace under torch.compile and FakeTensorMode; `torch.library.opcheck
 from __future__ import annotations
 
 import glob
+import importlib
 import os
 from collections.abc import Sequence
 
@@ -30,7 +31,7 @@ if _built_against != torch.__version__.split("+")[0]:
     )
 
 if _C.cuda_built():
-    from torchclip import _cuda  # noqa: F401  registers the CUDA kernels into _C's library, so after _C
+    importlib.import_module("torchclip._cuda")  # registers the CUDA kernels into _C's library: after _C
 
 # ---- CPU kernel library selection -----------------------------------------------------------------
 
