@@ -192,6 +192,27 @@ def test_norms_are_bit_identical_across_thread_counts(cpu_capability, dtype):
     assert results[0] == results[1] == results[2]
 
 
+def test_grouped_small_tensors_keep_their_own_norms(cpu_capability):
+    # Small tensors are walked in runs of whole tensors, big ones in pieces; empty ones have no piece.
+    # Each tensor's norm must be the one it has alone, to the bit, whatever the thread count.
+    sizes = [0, 100, 65536, 65537, 0, 3, 1] * 100 + [200_000, 0, 7]
+    tensors = [make_tensor((n,), torch.float32, i) for i, n in enumerate(sizes)]
+    orders = (2.0, 1.0, 3.0)  # (inf refuses the empty tensors: no identity)
+    alone = {ord: [_ops.multi_tensor_norm([t], ord)[1].item() for t in tensors] for ord in orders}
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for ord in orders:
+                _, per_tensor = _ops.multi_tensor_norm(tensors, ord)
+                assert per_tensor.tolist() == alone[ord], (threads, ord)
+            clamped = [t.clone() for t in tensors]
+            _ops.multi_tensor_clamp_(clamped, -0.5, 0.5)
+            assert all(torch.equal(c, t.clamp(-0.5, 0.5)) for c, t in zip(clamped, tensors))
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_one_huge_tensor_and_many_tiny_ones_agree_with_the_reference(cpu_capability):
     tensors = [make_tensor((3_000_000,), torch.float32, 0)] + [make_tensor((7,), torch.float32, i) for i in range(3000)]
     total, _ = _ops.multi_tensor_norm(tensors, 2.0)

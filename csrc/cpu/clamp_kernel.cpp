@@ -59,17 +59,16 @@ void clamp(const TensorSpan* spans, int64_t count, double lo, double hi) {
     return;
   }
   const ChunkPlan plan = plan_chunks(spans, count);
-  parallel_for_chunks(plan, [&](int64_t c) {
-    const Chunk& chunk = plan.chunks[c];
-    const TensorSpan& span = spans[chunk.tensor];
+  parallel_for_pieces(plan, spans, [&](const Piece& piece) {
+    const TensorSpan& span = spans[piece.tensor];
     dispatch_dtype(span.dtype, [&](auto* typed) {
       using T = std::remove_pointer_t<decltype(typed)>;
-      T* data = static_cast<T*>(span.data) + chunk.begin;
+      T* data = static_cast<T*>(span.data) + piece.begin;
       if (nan_bound) {
         // torch's clamp_min_/clamp_max_ with a NaN bound yield NaN everywhere.
-        fill_nan(data, chunk.end - chunk.begin);
+        fill_nan(data, piece.end - piece.begin);
       } else {
-        clamp_span(data, chunk.end - chunk.begin, lo, hi);
+        clamp_span(data, piece.end - piece.begin, lo, hi);
       }
     });
   });

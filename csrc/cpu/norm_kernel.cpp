@@ -351,26 +351,23 @@ double finish(const Partial& acc, const TensorSpan& span, NormOrder order) {
 
 void tensor_norms(const TensorSpan* spans, int64_t count, NormOrder order, double* norms) {
   const ChunkPlan plan = plan_chunks(spans, count);
-  std::vector<Partial> partials(plan.chunks.size());
-  parallel_for_chunks(plan, [&](int64_t c) {
-    const Chunk& chunk = plan.chunks[c];
-    const TensorSpan& span = spans[chunk.tensor];
+  std::vector<Partial> partials(plan.pieces);
+  parallel_for_pieces(plan, spans, [&](const Piece& piece) {
+    const TensorSpan& span = spans[piece.tensor];
     dispatch_dtype(span.dtype, [&](auto* typed) {
       using T = std::remove_pointer_t<decltype(typed)>;
-      const T* data = static_cast<const T*>(span.data) + chunk.begin;
-      partials[c] = reduce_span(data, chunk.end - chunk.begin, order);
+      const T* data = static_cast<const T*>(span.data) + piece.begin;
+      partials[piece.index] = reduce_span(data, piece.end - piece.begin, order);
     });
   });
-  // Combine each tensor's chunks in order: fixed, so the result is independent of the thread count.
+  // Combine each tensor's pieces in order: fixed, so the result is independent of the thread count.
   std::vector<Partial> per_tensor(count);
   if (tracks_minimum(order)) {
     for (auto& p : per_tensor) {
       p.extreme = std::numeric_limits<double>::infinity();
     }
   }
-  for (size_t c = 0; c < plan.chunks.size(); ++c) {
-    combine(per_tensor[plan.chunks[c].tensor], partials[c], order);
-  }
+  for_each_piece(plan, spans, [&](const Piece& piece) { combine(per_tensor[piece.tensor], partials[piece.index], order); });
   for (int64_t i = 0; i < count; ++i) {
     norms[i] = finish(per_tensor[i], spans[i], order);
   }

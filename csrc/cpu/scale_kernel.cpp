@@ -64,12 +64,11 @@ void scale(const TensorSpan* spans, int64_t count, const double* scales) {
     return;
   }
   const ChunkPlan plan = plan_chunks(to_write.data(), static_cast<int64_t>(to_write.size()));
-  parallel_for_chunks(plan, [&](int64_t c) {
-    const Chunk& chunk = plan.chunks[c];
-    const TensorSpan& span = to_write[chunk.tensor];
+  parallel_for_pieces(plan, to_write.data(), [&](const Piece& piece) {
+    const TensorSpan& span = to_write[piece.tensor];
     dispatch_dtype(span.dtype, [&](auto* typed) {
       using T = std::remove_pointer_t<decltype(typed)>;
-      scale_span(static_cast<T*>(span.data) + chunk.begin, chunk.end - chunk.begin, coefficients[chunk.tensor]);
+      scale_span(static_cast<T*>(span.data) + piece.begin, piece.end - piece.begin, coefficients[piece.tensor]);
     });
   });
 }
