@@ -182,9 +182,9 @@ py::object total_norm_of_plain_cpu(py::handle tensors, double norm_type, bool er
   if (!gathered.collect(tensors, false, false) || gathered.empty()) {
     return py::none();
   }
-  return wrap(std::get<0>(gathered.run([&](at::TensorList list, const torchclip::Split& split) {
-    return torchclip::multi_tensor_norm_split(list, split, norm_type, error_if_nonfinite);
-  })));
+  return wrap(gathered.run([&](at::TensorList list, const torchclip::Split& split) {
+    return torchclip::total_norm_split(list, split, norm_type, error_if_nonfinite);
+  }));
 }
 
 // clip_grad_norm_ and ClipGradByGlobalNorm: the total norm, or None (general path, or no gradients).

@@ -5,7 +5,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+import torchclip
 from torchclip.bench import __main__ as bench
 from torchclip.bench import workloads
 
@@ -51,8 +53,23 @@ def test_every_shipped_workload_loads():
     (["--threads", "0"], "expected a comma list of positive integers"),
     (["--model", "torch.nn"], "expected module:callable"),
     (["--model", "no_such_module:f"], "cannot import it"),
+    pytest.param(["--device", "cuda"], "--device cuda: torch sees no CUDA device here",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")),
 ])
 def test_bad_arguments_are_named(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or "cuda" not in torchclip._ops.KERNEL_DEVICES,
+                    reason="needs a GPU and torchclip's CUDA kernels")
+def test_quick_cuda_run(tmp_path):
+    out = tmp_path / "rows.json"
+    result = subprocess.run([sys.executable, "-m", "torchclip.bench", "--quick", "--device", "cuda", "--workload",
+                             "10000x100", "--rounds", "3", "--json", str(out)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "GPU: " in result.stdout.splitlines()[0]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == len(bench.OPS) and all(r["device"] == "cuda" and r["torchclip_ms"] > 0 for r in rows)

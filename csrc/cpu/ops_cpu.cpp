@@ -120,14 +120,25 @@ void apply_scales(at::TensorList tensors, const Split& split, const std::vector<
   apply_scales(tensors, split, scales, [&](int64_t i) { return scales[i]; });
 }
 
+// The total norm, in torch's result dtype, of per-tensor norms already computed; raises as torch
+// does when asked to and it is not finite.
+at::Tensor total_of_norms(const std::vector<double>& norms, const Split& split, double ord, bool error_if_nonfinite) {
+  const double total = cpu::total_norm(norms.data(), static_cast<int64_t>(norms.size()), cpu::norm_order(ord));
+  check_finite_total(total, ord, error_if_nonfinite);
+  return scalar_in_dtype(total, total_norm_dtype(split.promoted));
+}
+
 }  // namespace
+
+at::Tensor total_norm_split(at::TensorList tensors, const Split& split, double ord, bool error_if_nonfinite) {
+  return total_of_norms(tensor_norms_wide(tensors, split, ord, "torchclip.multi_tensor_norm"), split, ord,
+      error_if_nonfinite);
+}
 
 std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_split(at::TensorList tensors, const Split& split, double ord,
     bool error_if_nonfinite) {
   const std::vector<double> norms = tensor_norms_wide(tensors, split, ord, "torchclip.multi_tensor_norm");
-  const double total = cpu::total_norm(norms.data(), static_cast<int64_t>(norms.size()), cpu::norm_order(ord));
-  check_finite_total(total, ord, error_if_nonfinite);
-  return {scalar_in_dtype(total, total_norm_dtype(split.promoted)), float64_vector(norms)};
+  return {total_of_norms(norms, split, ord, error_if_nonfinite), float64_vector(norms)};
 }
 
 void multi_tensor_clamp_split(at::TensorList tensors, const Split& split, double min, double max) {

@@ -33,6 +33,8 @@ struct Split {
 Split split_tensors(at::TensorList tensors, const char* op);
 
 // The ops on a list already split. `tensors` must be the list `split` describes.
+// total_norm_split is multi_tensor_norm_split without the per-tensor norms (get_total_norm's).
+at::Tensor total_norm_split(at::TensorList tensors, const Split& split, double ord, bool error_if_nonfinite);
 std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_split(at::TensorList tensors, const Split& split, double ord,
     bool error_if_nonfinite);
 void multi_tensor_clamp_split(at::TensorList tensors, const Split& split, double min, double max);

@@ -8,6 +8,9 @@ Method (the numbers are only worth what the method is):
   physical placement alone, which would swamp the comparison.)
 * torch, torchclip and the bound run interleaved in one process (round r starts with candidate r mod 3),
   after warm-up; the table shows medians and the spread (interquartile range / median).
+* --device cuda times the same rows on the GPU: each call is bracketed by torch.cuda.synchronize(), so
+  a row is the time until the device has finished, and the bound is the device's own memory speed
+  (the same single ops on the flat buffer in device memory).
 * "clip" rows scale every gradient on every call: each call's max_norm is 0.9 x the gradients' norm
   at that moment (measured untimed), so every candidate always writes, in every dtype, and the
   values never drift towards denormals (ClipTarget).
@@ -53,19 +56,21 @@ class Row:
     bound_ratio: float
     gbps: float
     spread: float
+    device: str = "cpu"
 
 
 class Grads:
     """Parameters whose gradients are views into one flat buffer."""
 
-    def __init__(self, shape_list, dtype, seed=0):
+    def __init__(self, shape_list, dtype, seed=0, device="cpu"):
         sizes = [math.prod(s) for s in shape_list]
         generator = torch.Generator().manual_seed(seed)
-        self.flat = torch.randn(sum(sizes), generator=generator, dtype=torch.float32).to(dtype)
+        self.flat = torch.randn(sum(sizes), generator=generator, dtype=torch.float32).to(device, dtype)
         self.flat.mul_(1.0 / math.sqrt(max(1, self.flat.numel())))  # total norm ~1
         self.params = []
         for view, shape in zip(torch.split(self.flat, sizes), shape_list):
-            p = torch.nn.Parameter(torch.empty(shape, dtype=dtype))  # never touched: no pages
+            # On the CPU never touched, so it has no pages; on a GPU it is memory, never read.
+            p = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
             p.grad = view.view(shape)
             self.params.append(p)
         self.grads = [p.grad for p in self.params]
@@ -75,26 +80,33 @@ class Grads:
         self.flat.normal_().mul_(1.0 / math.sqrt(max(1, self.flat.numel())))
 
 
-def timed(fn, prepare=None) -> float:
-    """Milliseconds of fn(); prepare() runs first, untimed."""
+def no_sync():
+    pass
+
+
+def timed(fn, prepare=None, sync=no_sync) -> float:
+    """Milliseconds of fn(); prepare() runs first, untimed; sync() (a device synchronisation) before
+    the clock starts and before it stops."""
     if prepare is not None:
         prepare()
+    sync()
     start = time.perf_counter()
     fn()
+    sync()
     return (time.perf_counter() - start) * 1e3
 
 
-def interleave(candidates, rounds, warmup, prepare=None):
+def interleave(candidates, rounds, warmup, prepare=None, sync=no_sync):
     """Medians and spreads (IQR / median) of each candidate, run in rotating order; prepare() runs
     untimed before each call."""
     for _ in range(warmup):
         for fn in candidates:
-            timed(fn, prepare)
+            timed(fn, prepare, sync)
     samples = [[] for _ in candidates]
     for r in range(rounds):
         for k in range(len(candidates)):
             i = (r + k) % len(candidates)
-            samples[i].append(timed(candidates[i], prepare))
+            samples[i].append(timed(candidates[i], prepare, sync))
     out = []
     for s in samples:
         s.sort()
@@ -185,13 +197,14 @@ def candidates_for(op, g: Grads) -> Candidates:
     raise ValueError(op)
 
 
-def run(workload_names, dtype_names, thread_counts, ops, rounds, warmup, progress):
+def run(workload_names, dtype_names, thread_counts, ops, rounds, warmup, progress, device="cpu"):
     rows = []
+    sync = torch.cuda.synchronize if device == "cuda" else no_sync
     jobs = [(w, d, t) for w in workload_names for d in dtype_names for t in thread_counts]
     total_steps, step = len(jobs) * len(ops), 0
     for workload, dtype_name, threads in jobs:
         label, shape_list = workloads.resolve(workload)
-        g = Grads(shape_list, DTYPES[dtype_name])
+        g = Grads(shape_list, DTYPES[dtype_name], device=device)
         torch.set_num_threads(threads)
         for op in ops:
             progress(step, total_steps, f"{label} {dtype_name} threads={threads}: {op}")
@@ -199,11 +212,11 @@ def run(workload_names, dtype_names, thread_counts, ops, rounds, warmup, progres
             c = candidates_for(op, g)
             timed_fns = [c.torch, c.torch_no_foreach, c.torchclip, c.bound]
             (t_torch, s1), (t_no_foreach, s2), (t_clip, s3), (t_bound, s4) = interleave(
-                timed_fns, rounds, warmup, c.prepare)
+                timed_fns, rounds, warmup, c.prepare, sync)
             bytes_moved = g.flat.numel() * g.flat.element_size() * c.passes
             rows.append(Row(op, label, dtype_name, threads, len(shape_list), g.flat.numel(), t_torch, t_no_foreach,
                             t_clip, t_bound, t_torch / t_clip, t_clip / t_bound, bytes_moved / t_clip / 1e6,
-                            max(s1, s2, s3, s4)))
+                            max(s1, s2, s3, s4), device))
             g.reset()
         del g
     progress(total_steps, total_steps, None)
@@ -256,6 +269,8 @@ def parse_args(argv):
     parser.add_argument("--threads", default=str(torch.get_num_threads()),
                         help="comma list of thread counts (default: all cores)")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per candidate (default 15; 5 with --quick)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the gradients live (default cpu); cuda times the CUDA kernels")
     parser.add_argument("--quick", action="store_true", help="small workloads, few rounds: seconds, for CI")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--plot", metavar="PATH", help="also draw speed-up and fraction of the bound (PNG)")
@@ -270,6 +285,10 @@ def parse_args(argv):
             raise ValueError
     except ValueError:
         parser.error(f"--threads {args.threads!r}: expected a comma list of positive integers")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
+    if args.device == "cuda" and "cuda" not in torchclip._ops.KERNEL_DEVICES:
+        parser.error("--device cuda: torchclip was built without its CUDA kernels (TORCHCLIP_CUDA=1)")
     args.workload = (args.workload or []) + [f"model:{m}" for m in args.model or []]
     for w in args.workload:
         try:
@@ -284,8 +303,10 @@ def main(argv=None) -> int:
     names = args.workload or (QUICK_WORKLOADS if args.quick else DEFAULT_WORKLOADS)
     rounds = args.rounds or (5 if args.quick else 15)
     rows = run(names, args.dtype or ["float32"], args.thread_counts, OPS, rounds, warmup=1 if args.quick else 2,
-               progress=make_progress(sys.stderr.isatty()))
-    header = (f"torchclip {torchclip.__version__} (CPU kernels: {torchclip.get_cpu_capability()}), "
+               progress=make_progress(sys.stderr.isatty()), device=args.device)
+    where = (f"GPU: {torch.cuda.get_device_name()}" if args.device == "cuda"
+             else f"CPU kernels: {torchclip.get_cpu_capability()}")
+    header = (f"torchclip {torchclip.__version__} ({where}), "
               f"torch {torch.__version__}, {os.cpu_count()} CPUs; medians of {rounds} interleaved rounds")
     table = format_table(rows)
     print(header)
@@ -298,7 +319,7 @@ def main(argv=None) -> int:
             f.write(report.markdown_page(rows, table, header, command, args.plot))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "cpu_capability": torchclip.get_cpu_capability(),
+            json.dump({"torch": torch.__version__, "cpu_capability": torchclip.get_cpu_capability(), "device": args.device,
                        "rows": [asdict(r) for r in rows]}, f, indent=1)
     return 0
 
