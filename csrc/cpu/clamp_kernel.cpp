@@ -42,6 +42,27 @@ void clamp_span(T* x, int64_t n, double lo, double hi) {
   }
 }
 
+// bfloat16: every result is the element itself (exact: a bfloat16 is a float32 with a shorter
+// mantissa), a bound rounded once, or the canonical NaN, so the kernel selects among those bit
+// patterns instead of rounding every element back. That halves the instructions per element, which
+// is what bounds this 2-byte type (13.8 GB/s before, against float16's 46 with hardware conversions).
+// The results are the same bits as the float32 clamp followed by store_f32's rounding.
+void clamp_span(c10::BFloat16* x, int64_t n, double lo, double hi) {
+  const float flo = static_cast<float>(lo), fhi = static_cast<float>(hi);
+  const f32v vlo = splat<f32v>(flo), vhi = splat<f32v>(fhi);
+  // Below lo the float32 clamp yields lo, or hi when lo > hi; c10 rounds to nearest even, as store_f32.
+  const u32v below = splat<u32v>(c10::BFloat16(flo > fhi ? fhi : flo).x);
+  const u32v above = splat<u32v>(c10::BFloat16(fhi).x);
+  const u32v nan = splat<u32v>(0x7FC0u);
+  for_each_block<kBlock>(x, n, c10::BFloat16(0.0f), /*writes=*/true, [&](c10::BFloat16* p, int64_t count) {
+    for (int64_t i = 0; i < count; i += kBlock) {
+      const u32v bits = load_u16_widened(p + i);
+      const f32v v = (f32v)(bits << 16);
+      store_u16_narrowed(p + i, v < vlo ? below : (v > vhi ? above : (is_nan(v) ? nan : bits)));
+    }
+  });
+}
+
 template <typename T>
 void fill_nan(T* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
