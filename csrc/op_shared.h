@@ -96,6 +96,18 @@ inline void check_finite_total(double total, double norm_type, bool error_if_non
       "scale the gradients by the non-finite norm anyway, set `error_if_nonfinite=False`");
 }
 
+// What clamping in place needs of the tensors ATen serves (the kernels' spans are all fine): elements
+// that do not share memory, and a dtype that is ordered and not bool.
+inline void check_clampable(at::TensorList tensors, const std::vector<int64_t>& aten_path, const char* op) {
+  check_writable(tensors, aten_path, op);
+  for (int64_t i : aten_path) {
+    TORCH_CHECK(!tensors[i].is_complex(), op, ": tensors[", i, "] has dtype ", tensors[i].scalar_type(),
+        "; clamping is not defined for complex numbers");
+    TORCH_CHECK(tensors[i].scalar_type() != at::kBool, op, ": tensors[", i, "] has dtype bool; clamping "
+        "needs a numeric dtype");
+  }
+}
+
 // What a norm of order `ord` needs of its inputs, as torch's vector_norm: orders without an identity
 // (inf, -inf, negative) refuse empty tensors, and ATen's path a dtype that is not floating or complex.
 inline void check_norm_inputs(at::TensorList tensors, const std::vector<int64_t>& aten_path, double ord,

@@ -143,13 +143,7 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_split(at::TensorList tensor
 
 void multi_tensor_clamp_split(at::TensorList tensors, const Split& split, double min, double max) {
   constexpr const char* op = "torchclip.multi_tensor_clamp_";
-  check_writable(tensors, split.aten_path, op);
-  for (int64_t i : split.aten_path) {
-    TORCH_CHECK(!tensors[i].is_complex(), op, ": tensors[", i, "] has dtype ", tensors[i].scalar_type(),
-        "; clamping is not defined for complex numbers");
-    TORCH_CHECK(tensors[i].scalar_type() != at::kBool, op, ": tensors[", i, "] has dtype bool; clamping "
-        "needs a numeric dtype");
-  }
+  check_clampable(tensors, split.aten_path, op);
   if (!split.spans.empty()) {
     cpu_kernels().clamp(split.spans.data(), static_cast<int64_t>(split.spans.size()), min, max);
   }

@@ -217,13 +217,7 @@ void multi_tensor_clamp_cuda(at::TensorList tensors, double min, double max) {
   const c10::Device device = op_device(tensors, nullptr);
   const c10::cuda::CUDAGuard guard(device);
   const DeviceSplit split = split_tensors(tensors, op, device);
-  check_writable(tensors, split.aten_path, op);
-  for (int64_t i : split.aten_path) {
-    TORCH_CHECK(!tensors[i].is_complex(), op, ": tensors[", i, "] has dtype ", tensors[i].scalar_type(),
-        "; clamping is not defined for complex numbers");
-    TORCH_CHECK(tensors[i].scalar_type() != at::kBool, op, ": tensors[", i, "] has dtype bool; clamping "
-        "needs a numeric dtype");
-  }
+  check_clampable(tensors, split.aten_path, op);
   if (!split.spans.empty()) {
     cuda::clamp(split.spans.data(), static_cast<int64_t>(split.spans.size()), min, max, current_stream());
   }
