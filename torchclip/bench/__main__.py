@@ -80,8 +80,8 @@ class Grads:
         self.flat.normal_().mul_(1.0 / math.sqrt(max(1, self.flat.numel())))
 
 
-def no_sync():
-    pass
+def no_sync() -> None:
+    """The CPU's synchronisation: nothing to wait for (timed()'s default)."""
 
 
 def timed(fn, prepare=None, sync=no_sync) -> float:
