@@ -28,3 +28,22 @@ TORCH_LIBRARY(torchclip, m) {
   // any tensor's norm.
   m.def("clip_by_tensor_norm_(Tensor(a!)[] tensors, float max_norm, str nonfinite=\"propagate\") -> Tensor");
 }
+
+// Lazily negated or conjugated views reach the kernels as they are: the kernels send every such view
+// to ATen's path (op_shared.h's kernel_dtype), whose ops read the bits. The dispatcher's own fallbacks
+// would copy them first, and refuse them outright in a mutable list, where torch.nn.utils does not.
+namespace {
+void fall_through_every_op(torch::Library& m) {
+  for (const char* op : {"multi_tensor_norm", "multi_tensor_scale_", "multi_tensor_clamp_", "clip_grad_norm_",
+           "clip_by_tensor_norm_"}) {
+    m.impl(op, torch::CppFunction::makeFallthrough());
+  }
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchclip, Negative, m) {
+  fall_through_every_op(m);
+}
+TORCH_LIBRARY_IMPL(torchclip, Conjugate, m) {
+  fall_through_every_op(m);
+}

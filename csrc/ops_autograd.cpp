@@ -12,6 +12,8 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
+#include "op_handles.h"
+
 namespace torchclip {
 namespace {
 
@@ -31,15 +33,10 @@ void bump_versions(at::TensorList tensors) {
   }
 }
 
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
 // Each kernel receives the dispatch key set it was called with and redispatches below autograd and
 // ADInplaceOrView: the backend key (CPU, ...) comes from that set, without re-reading every tensor.
 void multi_tensor_scale_autograd(c10::DispatchKeySet ks, at::TensorList tensors, const at::Tensor& scale) {
-  static const auto op = op_handle<void(at::TensorList, const at::Tensor&)>("torchclip::multi_tensor_scale_");
+  const auto& op = op_handles::multi_tensor_scale_();
   check_not_differentiated(tensors, "torchclip.multi_tensor_scale_");
   {
     at::AutoDispatchBelowADInplaceOrView guard;
@@ -49,7 +46,7 @@ void multi_tensor_scale_autograd(c10::DispatchKeySet ks, at::TensorList tensors,
 }
 
 void multi_tensor_clamp_autograd(c10::DispatchKeySet ks, at::TensorList tensors, double min, double max) {
-  static const auto op = op_handle<void(at::TensorList, double, double)>("torchclip::multi_tensor_clamp_");
+  const auto& op = op_handles::multi_tensor_clamp_();
   check_not_differentiated(tensors, "torchclip.multi_tensor_clamp_");
   {
     at::AutoDispatchBelowADInplaceOrView guard;
@@ -60,8 +57,7 @@ void multi_tensor_clamp_autograd(c10::DispatchKeySet ks, at::TensorList tensors,
 
 at::Tensor clip_grad_norm_autograd(c10::DispatchKeySet ks, at::TensorList grads, double max_norm, double norm_type,
     bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite) {
-  static const auto op = op_handle<at::Tensor(at::TensorList, double, double, bool, double, bool, c10::string_view)>(
-      "torchclip::clip_grad_norm_");
+  const auto& op = op_handles::clip_grad_norm_();
   check_not_differentiated(grads, "torchclip.clip_grad_norm_");
   at::Tensor total;
   {
@@ -75,8 +71,7 @@ at::Tensor clip_grad_norm_autograd(c10::DispatchKeySet ks, at::TensorList grads,
 
 at::Tensor clip_by_tensor_norm_autograd(c10::DispatchKeySet ks, at::TensorList tensors, double max_norm,
     c10::string_view nonfinite) {
-  static const auto op =
-      op_handle<at::Tensor(at::TensorList, double, c10::string_view)>("torchclip::clip_by_tensor_norm_");
+  const auto& op = op_handles::clip_by_tensor_norm_();
   check_not_differentiated(tensors, "torchclip.clip_by_tensor_norm_");
   at::Tensor norms;
   {

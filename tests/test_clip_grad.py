@@ -293,6 +293,18 @@ def test_get_total_norm_empty_and_single_tensor():
     torch.testing.assert_close(torchclip.get_total_norm(t), torch.nn.utils.get_total_norm(t))
 
 
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf, 3.0])
+def test_get_total_norm_of_tracked_tensors_is_not_differentiable_as_torchs(norm_type):
+    # torch computes get_total_norm under no_grad; tensors that autograd tracks (which the fast path
+    # leaves to the ops) give the same value, detached, not an error.
+    leaves = [make_tensor((n,), torch.float32, i).requires_grad_() for i, n in enumerate([5, 40, 300])]
+    tracked = [t * 2 for t in leaves]
+    ours = torchclip.get_total_norm(tracked, norm_type)
+    theirs = torch.nn.utils.get_total_norm(tracked, norm_type)
+    assert not ours.requires_grad and not theirs.requires_grad
+    assert_norm_close(ours, reference_norm(tracked, norm_type), f"p={norm_type}")
+
+
 @pytest.mark.parametrize("total_dtype", [torch.float32, torch.float16, torch.float64])
 def test_clip_grads_with_norm_uses_the_given_norm(cpu_capability, total_dtype):
     ours = make_params(mixed_specs(torch.float32), scale=0.1)

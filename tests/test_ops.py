@@ -161,10 +161,14 @@ def test_neg_bit_views(cpu_capability):
     negated = torch._neg_view(base)
     total, _ = _ops.multi_tensor_norm([negated], math.inf)
     assert total.item() == 1.0
-    # The dispatcher refuses lazily negated tensors in a mutable list, before our kernel runs.
-    with pytest.raises(RuntimeError, match="negation"):
-        _ops.multi_tensor_clamp_([negated], -0.5, 0.2)
-    assert torch.equal(base, torch.linspace(-1, 0.5, 50))
+    # In a mutable list too (the dispatcher's fallback refuses those; the ops fall through to ATen's path).
+    expected = negated.resolve_neg().clamp(-0.5, 0.2)
+    _ops.multi_tensor_clamp_([negated], -0.5, 0.2)
+    assert torch.equal(negated.resolve_neg(), expected) and torch.equal(base, -expected)
+    conjugated = torch.randn(20, dtype=torch.complex64).conj()
+    expected = conjugated.resolve_conj() * 0.5
+    _ops.multi_tensor_scale_([conjugated, negated], torch.tensor(0.5))
+    assert torch.equal(conjugated.resolve_conj(), expected)
 
 
 def test_clip_by_tensor_norm(cpu_capability):

@@ -206,10 +206,11 @@ def kernels_serve(tensors: Sequence[torch.Tensor], devices: Sequence[str] = KERN
 
 
 # ---- eager fast paths (csrc/python_module.cpp) ----------------------------------------------------
-# The parameter walk in C++ and the CPU ops' own implementations. Each returns None (False for the
-# clamp) when some item is not a plain strided CPU tensor, or a dispatch mode is active; the caller
-# then takes the general path. Dynamo cannot trace them: under torch.compile the callers use the op wrappers above.
-total_norm_of_plain_cpu = _C.total_norm_of_plain_cpu
-clip_grad_norm_of_plain_cpu = _C.clip_grad_norm_of_plain_cpu
-clip_by_tensor_norm_of_plain_cpu = _C.clip_by_tensor_norm_of_plain_cpu
-clamp_grads_of_plain_cpu = _C.clamp_grads_of_plain_cpu
+# The parameter walk in C++, then the CPU ops' own implementations, or for CUDA tensors the ops through
+# the dispatcher. Each returns None (False for the clamp) when some item is not a plain strided tensor
+# on one CPU or (when built) CUDA device, or a dispatch mode is active; the caller then takes the
+# general path. Dynamo cannot trace them: under torch.compile the callers use the op wrappers above.
+total_norm_of_plain = _C.total_norm_of_plain
+clip_grad_norm_of_plain = _C.clip_grad_norm_of_plain
+clip_by_tensor_norm_of_plain = _C.clip_by_tensor_norm_of_plain
+clamp_grads_of_plain = _C.clamp_grads_of_plain

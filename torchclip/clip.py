@@ -125,7 +125,7 @@ class ClipGradBase:
         self._clip([g for _, g in pairs])
 
     def _clip_parameters(self, params: list) -> bool:
-        """Clip the marked-for-clipping gradients of plain CPU parameters in one C++ call; False when
+        """Clip the marked-for-clipping gradients of plain CPU or CUDA parameters in one C++ call; False when
         some parameter needs the general path."""
         raise NotImplementedError  # each subclass calls its op
 
@@ -154,7 +154,7 @@ class ClipGradByValue(ClipGradBase):
         self.min, self.max = lower, upper
 
     def _clip_parameters(self, params):
-        return _ops.clamp_grads_of_plain_cpu(params, self.min, self.max, honor_need_clip=True)
+        return _ops.clamp_grads_of_plain(params, self.min, self.max, honor_need_clip=True)
 
     def _clip(self, grads):
         if not grads:
@@ -185,7 +185,7 @@ class ClipGradByNorm(ClipGradBase):
         self.last_norms: Tensor | None = None
 
     def _clip_parameters(self, params):
-        norms = _ops.clip_by_tensor_norm_of_plain_cpu(params, self.clip_norm, honor_need_clip=True,
+        norms = _ops.clip_by_tensor_norm_of_plain(params, self.clip_norm, honor_need_clip=True,
                                                       nonfinite=self.nonfinite)
         if norms is not None:
             self.last_norms = norms
@@ -267,7 +267,7 @@ class ClipGradByGlobalNorm(ClipGradBase):
         if self.process_group is not None:
             return False  # sharded clipping needs the (param, grad) pairs: the Python walk
         # Paddle's formula is torch's with eps = 0: min(clip_norm / global_norm, 1).
-        norm = _ops.clip_grad_norm_of_plain_cpu(params, self.clip_norm, 2.0, False, eps=0.0,
+        norm = _ops.clip_grad_norm_of_plain(params, self.clip_norm, 2.0, False, eps=0.0,
                                                 norm_at_least_float32=True, honor_need_clip=True,
                                                 nonfinite=self.nonfinite)
         if norm is not None:

@@ -118,13 +118,16 @@ def get_total_norm(
     if len(tensors) == 0:
         return torch.tensor(0.0)
     if not torch.compiler.is_compiling():
-        total_norm = _ops.total_norm_of_plain_cpu(tensors, norm_type, error_if_nonfinite)
+        total_norm = _ops.total_norm_of_plain(tensors, norm_type, error_if_nonfinite)
         if total_norm is not None:
             return total_norm
-    elif _ops.kernels_serve(tensors):
-        total_norm, _ = _ops.multi_tensor_norm(tensors, norm_type, error_if_nonfinite)
-        return total_norm
     _check_tensors(tensors, "tensors")
+    if _ops.kernels_serve(tensors):
+        # torch computes this norm under no_grad too (it is not differentiable there either), and the
+        # ops refuse tensors that autograd tracks.
+        with torch.no_grad():
+            total_norm, _ = _ops.multi_tensor_norm(tensors, norm_type, error_if_nonfinite)
+        return total_norm
     if any(_sparse.is_sparse(t) for t in tensors):
         total_wide, dtype = _total_norm_with_sparse(tensors, norm_type, error_if_nonfinite)
         return total_wide.to(dtype)
@@ -246,7 +249,7 @@ def clip_grad_norm_(
         shards = distributed.hand_shards(grads, replicated, process_group)
         return _clip_shards(shards, max_norm, norm_type, error_if_nonfinite, _ops.total_norm_dtype(grads))
     if not torch.compiler.is_compiling():
-        total_norm = _ops.clip_grad_norm_of_plain_cpu(
+        total_norm = _ops.clip_grad_norm_of_plain(
             parameters, _as_number("max_norm", max_norm), _as_number("norm_type", norm_type), bool(error_if_nonfinite)
         )
         if total_norm is not None:
@@ -300,7 +303,7 @@ def clip_grad_value_(
     """
     parameters = _as_list(parameters)
     clip_value = _as_number("clip_value", clip_value)
-    if not torch.compiler.is_compiling() and _ops.clamp_grads_of_plain_cpu(parameters, -clip_value, clip_value):
+    if not torch.compiler.is_compiling() and _ops.clamp_grads_of_plain(parameters, -clip_value, clip_value):
         return None
     grads = _grads(parameters)
     if not grads:

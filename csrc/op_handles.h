@@ -1,0 +1,48 @@
+// Typed dispatcher handles for the torchclip ops (schemas in ops.cpp), one per op with its C++
+// signature, for the C++ callers that go through the dispatcher: the Autograd kernels
+// (ops_autograd.cpp) redispatch through them, and the eager walk (python_module.cpp) calls the device
+// kernels of non-CPU tensors through them.
+#pragma once
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/string_view.h>
+
+#include <tuple>
+
+namespace torchclip::op_handles {
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> find(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+inline const auto& multi_tensor_norm() {
+  static const auto op = find<std::tuple<at::Tensor, at::Tensor>(at::TensorList, double, bool)>(
+      "torchclip::multi_tensor_norm");
+  return op;
+}
+
+inline const auto& multi_tensor_scale_() {
+  static const auto op = find<void(at::TensorList, const at::Tensor&)>("torchclip::multi_tensor_scale_");
+  return op;
+}
+
+inline const auto& multi_tensor_clamp_() {
+  static const auto op = find<void(at::TensorList, double, double)>("torchclip::multi_tensor_clamp_");
+  return op;
+}
+
+inline const auto& clip_grad_norm_() {
+  static const auto op = find<at::Tensor(at::TensorList, double, double, bool, double, bool, c10::string_view)>(
+      "torchclip::clip_grad_norm_");
+  return op;
+}
+
+inline const auto& clip_by_tensor_norm_() {
+  static const auto op =
+      find<at::Tensor(at::TensorList, double, c10::string_view)>("torchclip::clip_by_tensor_norm_");
+  return op;
+}
+
+}  // namespace torchclip::op_handles
