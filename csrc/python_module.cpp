@@ -5,6 +5,7 @@
 // CUDA tensors the ops through the dispatcher (op_handles.h).
 #include <torch/extension.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/version.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -83,6 +84,91 @@ inline bool same_sizes(const at::Tensor& grad, const at::Tensor& param) {
   return true;
 }
 
+// A gradient: the field itself. Tensor::grad() first asks autograd (a virtual call into libtorch)
+// whether the item is a leaf, only to warn about non-leaf items, and TensorImpl::grad() reads the
+// autograd meta's vtable, often a cache line of its own.
+inline const at::Tensor& grad_of(const at::Tensor& item) {
+  static const at::Tensor undefined;
+  const torch::autograd::AutogradMeta* meta = torch::autograd::impl::get_autograd_meta(item);
+  return meta != nullptr ? meta->grad_ : undefined;
+}
+
+// The walk's cost is memory latency: each item is a chain of dependent loads, Python object ->
+// TensorImpl -> AutogradMeta -> gradient's TensorImpl -> StorageImpl (and its version counter), about
+// 9 cache lines, which after torch's own call or a training step's other work are not in cache. A
+// plain loop waits for each link in turn. The walk therefore requests the links of later items as
+// it goes, one link per stage, kPrefetchStride items apart: when item i is processed, its links were
+// requested 1 to 5 strides earlier, and each request only dereferences a link that its previous stage
+// requested a stride before. Prefetches never fault, so a stage simply stops at a link that is not
+// (yet) what the walk expects. Measured on 10,000 x 100 (walk alone, 2 cores): right after torch's
+// clip_grad_value_ 427 -> 364 us, after 10 ms of other work 1015 -> 568 us; the same in a warm loop.
+// Strides 1, 2, 6, 8 and 12 were no better than 4.
+constexpr Py_ssize_t kPrefetchStride = 4;
+
+inline void prefetch(const void* address, bool for_write = false) {
+  if (for_write) {
+    __builtin_prefetch(address, 1);
+  } else {
+    __builtin_prefetch(address, 0);
+  }
+}
+
+// Requests the `links` first links of item j's chain (stage 1: its Python object, 2: its TensorImpl,
+// 3: its AutogradMeta, 4: its gradient's TensorImpl, 5: that tensor's StorageImpl and version counter;
+// for items gathered as themselves, stages 3 and 4 are skipped).
+void prefetch_link(PyObject* object, int stage, bool take_grad) {
+  if (stage == 1) {
+    prefetch(&reinterpret_cast<THPVariable*>(object)->cdata);
+    return;
+  }
+  if (!THPVariable_CheckExact(object)) {
+    return;
+  }
+  const at::Tensor& item = THPVariable_Unpack(object);
+  const char* impl = reinterpret_cast<const char*>(item.unsafeGetTensorImpl());
+  if (stage == 2) {  // a TensorImpl is 176 bytes: up to four lines
+    for (int offset : {0, 64, 128, 175}) {
+      prefetch(impl + offset);
+    }
+    return;
+  }
+  const at::Tensor* tensor = &item;
+  if (take_grad) {
+    const torch::autograd::AutogradMeta* meta = torch::autograd::impl::get_autograd_meta(item);
+    if (meta == nullptr) {
+      return;
+    }
+    if (stage == 3) {
+      prefetch(&meta->grad_);
+      return;
+    }
+    tensor = &meta->grad_;
+    if (!tensor->defined()) {
+      return;
+    }
+    const char* grad_impl = reinterpret_cast<const char*>(tensor->unsafeGetTensorImpl());
+    if (stage == 4) {
+      for (int offset : {0, 64, 128, 175}) {
+        prefetch(grad_impl + offset);
+      }
+      return;
+    }
+  } else if (stage < 5) {
+    return;
+  }
+  const c10::TensorImpl* target = tensor->unsafeGetTensorImpl();
+  if (target->has_storage()) {
+    prefetch(target->unsafe_storage().unsafeGetStorageImpl());
+    prefetch(reinterpret_cast<const char*>(target->unsafe_storage().unsafeGetStorageImpl()) + 32);
+  }
+  // VariableVersion holds one intrusive_ptr; the counter it points to is written by the version bump.
+  static_assert(sizeof(c10::VariableVersion) == sizeof(void*), "VariableVersion is one pointer");
+  const void* counter = *reinterpret_cast<const void* const*>(&target->version_counter());
+  if (counter != nullptr) {
+    prefetch(counter, /*for_write=*/true);
+  }
+}
+
 #ifdef TORCHCLIP_WITH_CUDA
 constexpr bool kCudaKernels = true;  // torchclip._cuda registers them (imported with torchclip)
 #else
@@ -118,21 +204,22 @@ class PlainTensors {
     }
     const Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
     PyObject** elements = PySequence_Fast_ITEMS(seq);
-    // Its cost is reaching each item's metadata (Python object -> TensorImpl -> autograd meta -> grad
-    // TensorImpl -> storage, ~600 bytes per item, mostly not in cache): on 10,000 x 100 the first read
-    // of a grad's TensorImpl alone is half the walk. Group prefetching and a second walking thread
-    // were both measured slower here; one plain loop it is.
+    // (A second walking thread was measured slower: 371 -> 425 us.)
     const bool grad_mode = c10::GradMode::is_enabled();
     tensors_.reserve(count);
     split_.reserve(count);
     for (Py_ssize_t i = 0; i < count; ++i) {
+      for (int stage = 1; stage <= 5; ++stage) {
+        const Py_ssize_t ahead = i + (6 - stage) * kPrefetchStride;
+        if (ahead < count) {
+          prefetch_link(elements[ahead], stage, take_grad);
+        }
+      }
       if (!THPVariable_CheckExact(elements[i])) {
         return false;
       }
       const at::Tensor& item = THPVariable_Unpack(elements[i]);
-      // For a gradient, the TensorImpl's own accessor: Tensor::grad() first asks autograd (a virtual
-      // call into libtorch) whether the item is a leaf, only to warn about non-leaf items.
-      const at::Tensor& tensor = take_grad ? item.unsafeGetTensorImpl()->grad() : item;
+      const at::Tensor& tensor = take_grad ? grad_of(item) : item;
       if (!tensor.defined()) {
         if (take_grad && !item.is_leaf()) {
           return false;  // torch warns when a non-leaf's .grad is read: the Python path reads it

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import types
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -51,8 +51,13 @@ _torch_clip_grads_with_norm_ = _torch_clip_grad._clip_grads_with_norm_
 _torch_clip_grad_value_ = _torch_clip_grad.clip_grad_value_
 
 
-def _as_list(tensors: _tensor_or_tensors) -> list[Tensor]:
-    return [tensors] if isinstance(tensors, Tensor) else list(tensors)
+def _as_list(tensors: _tensor_or_tensors) -> Sequence[Tensor]:
+    """A single tensor as a list; a list or tuple as it is (only ever read: copying 10,000 references
+    and freeing the copy took a value clip of 10,000 x 100 from 0.54 to 0.66 ms, warm); any other
+    iterable drained into a list."""
+    if isinstance(tensors, Tensor):
+        return [tensors]
+    return tensors if type(tensors) in (list, tuple) else list(tensors)
 
 
 class NotATensorError(TypeError, AttributeError):
@@ -238,7 +243,7 @@ def clip_grad_norm_(
         parameters = [parameters]
     else:
         is_generator = isinstance(parameters, types.GeneratorType)
-        parameters = list(parameters)
+        parameters = _as_list(parameters)
         if is_generator and len(parameters) == 0:
             # stacklevel 3: this function, torch.no_grad's wrapper, then the caller (as torch's).
             warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=3)
