@@ -113,9 +113,10 @@ inline void prefetch(const void* address, bool for_write = false) {
   }
 }
 
-// Requests the `links` first links of item j's chain (stage 1: its Python object, 2: its TensorImpl,
-// 3: its AutogradMeta, 4: its gradient's TensorImpl, 5: that tensor's StorageImpl and version counter;
-// for items gathered as themselves, stages 3 and 4 are skipped).
+// Requests one link of an item's chain (stage 1: its Python object, 2: its TensorImpl, 3: its
+// AutogradMeta, 4: its gradient's TensorImpl, 5: that tensor's StorageImpl and version counter; items
+// gathered as themselves skip stages 3 and 4). Field offsets are torch 2.13's TensorImpl layout; in
+// another layout a request may fetch a line the walk does not read, which costs only the request.
 void prefetch_link(PyObject* object, int stage, bool take_grad) {
   if (stage == 1) {
     prefetch(&reinterpret_cast<THPVariable*>(object)->cdata);
@@ -126,10 +127,9 @@ void prefetch_link(PyObject* object, int stage, bool take_grad) {
   }
   const at::Tensor& item = THPVariable_Unpack(object);
   const char* impl = reinterpret_cast<const char*>(item.unsafeGetTensorImpl());
-  if (stage == 2) {  // a TensorImpl is 176 bytes: up to four lines
-    for (int offset : {0, 64, 128, 175}) {
-      prefetch(impl + offset);
-    }
+  if (stage == 2) {  // the walk reads its autograd_meta_ (offset 24) and sizes (56 to 96 for 4-d)
+    prefetch(impl + 24);
+    prefetch(impl + 95);
     return;
   }
   const at::Tensor* tensor = &item;
@@ -147,8 +147,8 @@ void prefetch_link(PyObject* object, int stage, bool take_grad) {
       return;
     }
     const char* grad_impl = reinterpret_cast<const char*>(tensor->unsafeGetTensorImpl());
-    if (stage == 4) {
-      for (int offset : {0, 64, 128, 175}) {
+    if (stage == 4) {  // the walk reads bytes 16 to 175 of a TensorImpl (176 bytes): 3 or 4 lines
+      for (int offset : {16, 80, 144, 175}) {
         prefetch(grad_impl + offset);
       }
       return;
@@ -157,9 +157,8 @@ void prefetch_link(PyObject* object, int stage, bool take_grad) {
     return;
   }
   const c10::TensorImpl* target = tensor->unsafeGetTensorImpl();
-  if (target->has_storage()) {
-    prefetch(target->unsafe_storage().unsafeGetStorageImpl());
-    prefetch(reinterpret_cast<const char*>(target->unsafe_storage().unsafeGetStorageImpl()) + 32);
+  if (target->has_storage()) {  // its data pointer
+    prefetch(reinterpret_cast<const char*>(target->unsafe_storage().unsafeGetStorageImpl()) + 16);
   }
   // VariableVersion holds one intrusive_ptr; the counter it points to is written by the version bump.
   static_assert(sizeof(c10::VariableVersion) == sizeof(void*), "VariableVersion is one pointer");
