@@ -6,7 +6,8 @@ Method (the numbers are only worth what the method is):
   (sum for a norm, sum + mul_ for norm + scale, clamp_ for value clipping): the same bytes, the same
   pages. (Separately allocated buffers of equal size differ from each other by up to 30% here, by
   physical placement alone, which would swamp the comparison.)
-* torch, torchclip and the bound run interleaved in one process (round r starts with candidate r mod 3),
+* torch (foreach and not), torchclip and the bound run interleaved in one process (round r starts with
+  candidate r mod 4),
   after warm-up; the table shows medians and the spread (interquartile range / median).
 * --device cuda times the same rows on the GPU: each call is bracketed by torch.cuda.synchronize(), so
   a row is the time until the device has finished, and the bound is the device's own memory speed
