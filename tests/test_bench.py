@@ -73,3 +73,15 @@ def test_quick_cuda_run(tmp_path):
     assert "GPU: " in result.stdout.splitlines()[0]
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == len(bench.OPS) and all(r["device"] == "cuda" and r["torchclip_ms"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_balanced_orders_give_every_candidate_every_predecessor_equally(n):
+    orders = bench.balanced_orders(n)
+    follows = {}
+    for order in orders:
+        assert sorted(order) == list(range(n))
+        for before, after in zip(order, order[1:]):
+            follows[before, after] = follows.get((before, after), 0) + 1
+    assert set(follows) == {(a, b) for a in range(n) for b in range(n) if a != b}
+    assert len(set(follows.values())) == 1, follows

@@ -6,9 +6,10 @@ Method (the numbers are only worth what the method is):
   (sum for a norm, sum + mul_ for norm + scale, clamp_ for value clipping): the same bytes, the same
   pages. (Separately allocated buffers of equal size differ from each other by up to 30% here, by
   physical placement alone, which would swamp the comparison.)
-* torch (foreach and not), torchclip and the bound run interleaved in one process (round r starts with
-  candidate r mod 4),
-  after warm-up; the table shows medians and the spread (interquartile range / median).
+* torch (foreach and not), torchclip and the bound run interleaved in one process, after warm-up, in
+  orders where each runs right after each other one equally often (balanced_orders: what ran just
+  before a call changes its time); the table shows medians and the spread (interquartile range /
+  median).
 * --device cuda times the same rows on the GPU: each call is bracketed by torch.cuda.synchronize(), so
   a row is the time until the device has finished, and the bound is the device's own memory speed
   (the same single ops on the flat buffer in device memory).
@@ -97,16 +98,33 @@ def timed(fn, prepare=None, sync=no_sync) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def balanced_orders(n):
+    """Orders of n candidates in which every candidate runs right after every other one equally often
+    (a Williams design: n rows for even n, 2n for odd). What ran just before a call leaves the caches
+    and the allocator in its own state, and a call pays for it: a rotation (round r starts with
+    candidate r mod n) keeps each candidate's predecessor fixed, so one candidate would always follow
+    the bound's single pass and another always torch's foreach=False loop over 10,000 tensors."""
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    rows = [[(c + shift) % n for c in first] for shift in range(n)]
+    return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
+
+
 def interleave(candidates, rounds, warmup, prepare=None, sync=no_sync):
-    """Medians and spreads (IQR / median) of each candidate, run in rotating order; prepare() runs
-    untimed before each call."""
+    """Medians and spreads (IQR / median) of each candidate, run in balanced_orders(), one order per
+    round in turn; prepare() runs untimed before each call."""
     for _ in range(warmup):
         for fn in candidates:
             timed(fn, prepare, sync)
     samples = [[] for _ in candidates]
+    orders = balanced_orders(len(candidates))
     for r in range(rounds):
-        for k in range(len(candidates)):
-            i = (r + k) % len(candidates)
+        for i in orders[r % len(orders)]:
             samples[i].append(timed(candidates[i], prepare, sync))
     out = []
     for s in samples:
