@@ -125,8 +125,8 @@ class ClipGradBase:
         self._clip([g for _, g in pairs])
 
     def _clip_parameters(self, params: list) -> bool:
-        """Clip the marked-for-clipping gradients of plain CPU or CUDA parameters in one C++ call; False when
-        some parameter needs the general path."""
+        """Clip the marked-for-clipping gradients of plain CPU or CUDA parameters in one C++ call;
+        False when some parameter needs the general path."""
         raise NotImplementedError  # each subclass calls its op
 
     def _clip(self, grads: list[Tensor]) -> None:
@@ -186,7 +186,7 @@ class ClipGradByNorm(ClipGradBase):
 
     def _clip_parameters(self, params):
         norms = _ops.clip_by_tensor_norm_of_plain(params, self.clip_norm, honor_need_clip=True,
-                                                      nonfinite=self.nonfinite)
+                                                  nonfinite=self.nonfinite)
         if norms is not None:
             self.last_norms = norms
             self._record(norms)
@@ -268,8 +268,8 @@ class ClipGradByGlobalNorm(ClipGradBase):
             return False  # sharded clipping needs the (param, grad) pairs: the Python walk
         # Paddle's formula is torch's with eps = 0: min(clip_norm / global_norm, 1).
         norm = _ops.clip_grad_norm_of_plain(params, self.clip_norm, 2.0, False, eps=0.0,
-                                                norm_at_least_float32=True, honor_need_clip=True,
-                                                nonfinite=self.nonfinite)
+                                            norm_at_least_float32=True, honor_need_clip=True,
+                                            nonfinite=self.nonfinite)
         if norm is not None:
             self.last_global_norm = norm
             self._record(norm)
