@@ -117,8 +117,9 @@ def extensions():
             include_dirs=[os.path.join(ROOT, "csrc")],
             define_macros=[("TORCHCLIP_CPU_CAPABILITIES", '"' + ",".join(isas) + '"')]
             + ([("TORCHCLIP_WITH_CUDA", "1")] if with_cuda else []),  # _C.cuda_built()
-            extra_compile_args=common,
-            extra_link_args=["-ldl"],
+            # -fopenmp: the parameter walk (python_module.cpp) runs on torch's intra-op threads.
+            extra_compile_args=common + ["-fopenmp"],
+            extra_link_args=["-ldl", "-fopenmp"],
         )
     ]
     for isa in isas:

@@ -99,3 +99,76 @@ def test_gradients_stay_alive_while_borrowed():
         p.grad = torch.full((100,), 5.0)
     torchclip.clip_grad_value_(params, 1.0)
     assert all(torch.equal(p.grad, torch.ones(100)) for p in params)
+
+
+# Lists this long are walked by every intra-op thread (kItemsPerWalker = 1,024 items per walker, in
+# blocks of 512 taken from a shared counter): what one walker refuses deep in the list, every
+# gradient must survive, and the result must not depend on which thread walked which block.
+LONG = 5000
+
+
+def long_params(seed, none_every=0):
+    return make_params([((3 + i % 5,), torch.float32) for i in range(LONG)], seed=seed, scale=10.0,
+                       none_every=none_every)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_long_list_is_clipped_as_torch_does_on_any_thread_count(threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        params = long_params(seed=5, none_every=7)
+        theirs = clone_params(params)
+        torchclip.clip_grad_value_(params, 1.0)
+        torch.nn.utils.clip_grad_value_(theirs, 1.0)
+        for p, q in zip(params, theirs):
+            assert (p.grad is None) == (q.grad is None)
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+        grads = [p.grad for p in long_params(seed=6)]
+        ours = torchclip.get_total_norm(grads)
+        assert_close_rel(ours.item(), reference_norm(grads, 2.0), NORM_RTOL[torch.float32])
+        assert ours.dtype == torch.float32 and ours.shape == ()
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_a_long_list_bumps_each_version_once():
+    # Separate gradients: each counter once. Views of one buffer share one counter: once per view,
+    # as torch's in-place op on each view would.
+    params = long_params(seed=7)
+    flat = torch.full((LONG * 2,), 5.0)
+    views = [torch.nn.Parameter(torch.zeros(2)) for _ in range(LONG)]
+    for k, p in enumerate(views):
+        p.grad = flat[2 * k: 2 * k + 2]
+    before, flat_before = [p.grad._version for p in params], flat._version
+    torchclip.clip_grad_value_(params + views, 1.0)
+    assert [p.grad._version for p in params] == [v + 1 for v in before]
+    assert flat._version == flat_before + LONG
+    assert torch.equal(flat, torch.ones_like(flat))
+
+
+@pytest.mark.parametrize("where", [1, LONG // 2, LONG - 1])
+def test_an_item_refused_deep_in_a_long_list_leaves_every_gradient_unchanged(where):
+    # The walk refuses a gradient whose shape is not its parameter's; torch's path then raises, naming
+    # both shapes, before anything is written.
+    params = long_params(seed=8)
+    params[where].grad.data = torch.zeros(99)
+    expected = [p.grad.clone() for p in params]
+    for clip in (torchclip.clip_grad_value_, torchclip.clip_grad_norm_):
+        with pytest.raises(ValueError, match=rf"parameters\[{where}\] has shape"):
+            clip(params, 1.0)
+        assert all(torch.equal(p.grad, e) for p, e in zip(params, expected))
+
+
+class Tagged(torch.Tensor):
+    pass
+
+
+def test_a_long_list_with_a_tensor_the_walk_refuses_takes_the_general_path():
+    # A tensor subclass deep in the list (it may give its data another meaning): the walk steps aside
+    # and the general path serves the whole list.
+    grads = [p.grad for p in long_params(seed=9)]
+    reference = reference_norm(grads, 2.0)
+    grads[LONG - 3] = grads[LONG - 3].as_subclass(Tagged)
+    assert_close_rel(torchclip.get_total_norm(grads).item(), reference, NORM_RTOL[torch.float32])

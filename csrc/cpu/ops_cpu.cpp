@@ -19,9 +19,15 @@
 namespace torchclip {
 
 void Split::add(const at::Tensor& t, int64_t index) {
-  promoted = index == 0 ? t.scalar_type() : c10::promoteTypes(promoted, t.scalar_type());
-  if (const auto dtype = kernel_dtype(t)) {
-    spans.push_back({t.data_ptr(), t.numel(), *dtype});
+  const auto dtype = kernel_dtype(t);
+  const cpu::TensorSpan span{dtype ? t.data_ptr() : nullptr, t.numel(), dtype.value_or(cpu::DType::Float32)};
+  add(index, t.scalar_type(), dtype ? &span : nullptr);
+}
+
+void Split::add(int64_t index, at::ScalarType type, const cpu::TensorSpan* span) {
+  promoted = index == 0 || type == promoted ? type : c10::promoteTypes(promoted, type);
+  if (span) {
+    spans.push_back(*span);
     span_source.push_back(index);
   } else {
     aten_path.push_back(index);

@@ -27,6 +27,9 @@ struct Split {
   // Files tensors[index] = t (defined, strided and on the CPU: the caller has checked) under spans or
   // the ATen path.
   void add(const at::Tensor& t, int64_t index);
+  // The same for a tensor already described: its dtype and, when the kernels take it (kernel_dtype()),
+  // its span, else null.
+  void add(int64_t index, at::ScalarType type, const cpu::TensorSpan* span);
 };
 
 // Checks every tensor (defined, CPU, strided; errors name `op` and the index) and splits the list.
