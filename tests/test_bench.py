@@ -35,6 +35,27 @@ def test_quick_run_prints_a_table_and_writes_json(tmp_path):
     assert "![speed-up and fraction of the bound](plot.png)" in page and "clip_grad_norm_ (no clip)" in page
 
 
+@pytest.mark.parametrize("separate", [False, True])
+def test_gradients_are_views_of_the_flat_buffer_or_their_own_allocations(separate):
+    g = bench.Grads([[3, 4], [5], [2, 2]], torch.float32, separate=separate)
+    shared = [p.grad.untyped_storage().data_ptr() == g.flat.untyped_storage().data_ptr() for p in g.params]
+    assert shared == [not separate] * 3
+    assert torch.equal(torch.cat([p.grad.flatten() for p in g.params]), g.flat)
+    for p in g.params:
+        p.grad.zero_()
+    g.reset()  # both layouts hold the flat buffer's (new) values again
+    assert torch.equal(torch.cat([p.grad.flatten() for p in g.params]), g.flat) and g.flat.abs().sum() > 0
+
+
+def test_separate_gradients_run_and_are_named_in_the_header(tmp_path):
+    out = tmp_path / "rows.json"
+    result = subprocess.run([sys.executable, "-m", "torchclip.bench", "--quick", "--workload", "10000x100", "--rounds",
+                             "2", "--grads", "separate", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "gradients: separate allocations" in result.stdout.splitlines()[0]
+    assert json.loads(out.read_text())["grads"] == "separate"
+
+
 def test_model_workload_is_built_on_the_meta_device():
     label, shapes = workloads.resolve("model:torch.nn:Transformer")
     assert label == "Transformer" and len(shapes) > 100
@@ -51,6 +72,7 @@ def test_every_shipped_workload_loads():
     (["--workload", "nope"], "unknown; choose from"),
     (["--dtype", "int8"], "--dtype 'int8': unknown"),
     (["--threads", "0"], "expected a comma list of positive integers"),
+    (["--grads", "flat"], "invalid choice: 'flat'"),
     (["--model", "torch.nn"], "expected module:callable"),
     (["--model", "no_such_module:f"], "cannot import it"),
     pytest.param(["--device", "cuda"], "--device cuda: torch sees no CUDA device here",

@@ -351,25 +351,56 @@ double finish(const Partial& acc, const TensorSpan& span, NormOrder order) {
 
 void tensor_norms(const TensorSpan* spans, int64_t count, NormOrder order, double* norms) {
   const ChunkPlan plan = plan_chunks(spans, count);
-  std::vector<Partial> partials(plan.pieces);
+  Partial identity;
+  if (tracks_minimum(order)) {
+    identity.extreme = std::numeric_limits<double>::infinity();
+  }
+  // A tensor in one piece is finished where it was reduced, on the thread that reduced it: a serial
+  // combine-and-finish pass over 10,000 small tensors cost as much as the reduction itself. Only the
+  // pieces of tensors cut into several need a slot, combined below.
+  bool some_tensor_in_pieces = false;
+  for (const Chunk& chunk : plan.chunks) {
+    some_tensor_in_pieces |=
+        chunk.end_tensor - chunk.first_tensor == 1 && chunk.end - chunk.begin < spans[chunk.first_tensor].numel;
+  }
+  std::vector<Partial> pieces(some_tensor_in_pieces ? plan.pieces : 0);
   parallel_for_pieces(plan, spans, [&](const Piece& piece) {
     const TensorSpan& span = spans[piece.tensor];
     dispatch_dtype(span.dtype, [&](auto* typed) {
       using T = std::remove_pointer_t<decltype(typed)>;
       const T* data = static_cast<const T*>(span.data) + piece.begin;
-      partials[piece.index] = reduce_span(data, piece.end - piece.begin, order);
+      const Partial partial = reduce_span(data, piece.end - piece.begin, order);
+      if (piece.end - piece.begin < span.numel) {
+        pieces[piece.index] = partial;
+        return;
+      }
+      Partial whole = identity;
+      combine(whole, partial, order);
+      norms[piece.tensor] = finish(whole, span, order);
     });
   });
-  // Combine each tensor's pieces in order: fixed, so the result is independent of the thread count.
-  std::vector<Partial> per_tensor(count);
-  if (tracks_minimum(order)) {
-    for (auto& p : per_tensor) {
-      p.extreme = std::numeric_limits<double>::infinity();
+  for (int64_t i = 0; i < count; ++i) {
+    if (spans[i].numel == 0) {  // no piece: the norm of nothing
+      norms[i] = finish(identity, spans[i], order);
     }
   }
-  for_each_piece(plan, spans, [&](const Piece& piece) { combine(per_tensor[piece.tensor], partials[piece.index], order); });
-  for (int64_t i = 0; i < count; ++i) {
-    norms[i] = finish(per_tensor[i], spans[i], order);
+  // Combine each cut tensor's pieces (one per chunk) in order: fixed, so the result is independent of
+  // the thread count.
+  if (some_tensor_in_pieces) {
+    Partial whole;
+    for (const Chunk& chunk : plan.chunks) {
+      const int64_t t = chunk.first_tensor;
+      if (chunk.end_tensor - t != 1 || chunk.end - chunk.begin == spans[t].numel) {
+        continue;
+      }
+      if (chunk.begin == 0) {
+        whole = identity;
+      }
+      combine(whole, pieces[chunk.first_piece], order);
+      if (chunk.end == spans[t].numel) {
+        norms[t] = finish(whole, spans[t], order);
+      }
+    }
   }
 }
 

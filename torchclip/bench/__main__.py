@@ -5,7 +5,10 @@ Method (the numbers are only worth what the method is):
   parameters lay them out. The bound is a single pass of the fastest torch op over that same buffer
   (sum for a norm, sum + mul_ for norm + scale, clamp_ for value clipping): the same bytes, the same
   pages. (Separately allocated buffers of equal size differ from each other by up to 30% here, by
-  physical placement alone, which would swamp the comparison.)
+  physical placement alone, which would swamp the comparison.) --grads separate gives each gradient
+  its own allocation instead, as autograd leaves them without DDP: torch and torchclip still clip the
+  same tensors, but the bound then reads other pages, and with many small tensors there is more
+  metadata to reach (each its own storage and version counter).
 * torch (foreach and not), torchclip and the bound run interleaved in one process, after warm-up, in
   orders where each runs right after each other one equally often (balanced_orders: what ran just
   before a call changes its time); the table shows medians and the spread (interquartile range /
@@ -62,24 +65,29 @@ class Row:
 
 
 class Grads:
-    """Parameters whose gradients are views into one flat buffer."""
+    """Parameters whose gradients are views into one flat buffer or, with separate=True, copies of
+    those views, each its own allocation (the flat buffer stays, for the bound)."""
 
-    def __init__(self, shape_list, dtype, seed=0, device="cpu"):
+    def __init__(self, shape_list, dtype, seed=0, device="cpu", separate=False):
         sizes = [math.prod(s) for s in shape_list]
         generator = torch.Generator().manual_seed(seed)
         self.flat = torch.randn(sum(sizes), generator=generator, dtype=torch.float32).to(device, dtype)
         self.flat.mul_(1.0 / math.sqrt(max(1, self.flat.numel())))  # total norm ~1
+        self.views = [view.view(shape) for view, shape in zip(torch.split(self.flat, sizes), shape_list)]
+        self.separate = separate
         self.params = []
-        for view, shape in zip(torch.split(self.flat, sizes), shape_list):
+        for view, shape in zip(self.views, shape_list):
             # On the CPU never touched, so it has no pages; on a GPU it is memory, never read.
             p = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
-            p.grad = view.view(shape)
+            p.grad = view.clone() if separate else view
             self.params.append(p)
         self.grads = [p.grad for p in self.params]
 
     def reset(self):
         torch.manual_seed(0)
         self.flat.normal_().mul_(1.0 / math.sqrt(max(1, self.flat.numel())))
+        if self.separate:
+            torch._foreach_copy_(self.grads, self.views)
 
 
 def no_sync() -> None:
@@ -216,14 +224,14 @@ def candidates_for(op, g: Grads) -> Candidates:
     raise ValueError(op)
 
 
-def run(workload_names, dtype_names, thread_counts, ops, rounds, warmup, progress, device="cpu"):
+def run(workload_names, dtype_names, thread_counts, ops, rounds, warmup, progress, device="cpu", separate=False):
     rows = []
     sync = torch.cuda.synchronize if device == "cuda" else no_sync
     jobs = [(w, d, t) for w in workload_names for d in dtype_names for t in thread_counts]
     total_steps, step = len(jobs) * len(ops), 0
     for workload, dtype_name, threads in jobs:
         label, shape_list = workloads.resolve(workload)
-        g = Grads(shape_list, DTYPES[dtype_name], device=device)
+        g = Grads(shape_list, DTYPES[dtype_name], device=device, separate=separate)
         torch.set_num_threads(threads)
         for op in ops:
             progress(step, total_steps, f"{label} {dtype_name} threads={threads}: {op}")
@@ -290,6 +298,9 @@ def parse_args(argv):
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per candidate (default 15; 5 with --quick)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where the gradients live (default cpu); cuda times the CUDA kernels")
+    parser.add_argument("--grads", choices=["views", "separate"], default="views",
+                        help="gradients as views of one flat buffer (default: DDP buckets, FSDP flat parameters) "
+                             "or each its own allocation (autograd without DDP)")
     parser.add_argument("--quick", action="store_true", help="small workloads, few rounds: seconds, for CI")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--plot", metavar="PATH", help="also draw speed-up and fraction of the bound (PNG)")
@@ -322,11 +333,12 @@ def main(argv=None) -> int:
     names = args.workload or (QUICK_WORKLOADS if args.quick else DEFAULT_WORKLOADS)
     rounds = args.rounds or (5 if args.quick else 15)
     rows = run(names, args.dtype or ["float32"], args.thread_counts, OPS, rounds, warmup=1 if args.quick else 2,
-               progress=make_progress(sys.stderr.isatty()), device=args.device)
+               progress=make_progress(sys.stderr.isatty()), device=args.device, separate=args.grads == "separate")
     where = (f"GPU: {torch.cuda.get_device_name()}" if args.device == "cuda"
              else f"CPU kernels: {torchclip.get_cpu_capability()}")
     header = (f"torchclip {torchclip.__version__} ({where}), "
-              f"torch {torch.__version__}, {os.cpu_count()} CPUs; medians of {rounds} interleaved rounds")
+              f"torch {torch.__version__}, {os.cpu_count()} CPUs; medians of {rounds} interleaved rounds; "
+              f"gradients: {'separate allocations' if args.grads == 'separate' else 'views of one buffer'}")
     table = format_table(rows)
     print(header)
     print(table)
@@ -339,7 +351,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "cpu_capability": torchclip.get_cpu_capability(), "device": args.device,
-                       "rows": [asdict(r) for r in rows]}, f, indent=1)
+                       "grads": args.grads, "rows": [asdict(r) for r in rows]}, f, indent=1)
     return 0
 
 
