@@ -19,15 +19,9 @@
 namespace torchclip {
 
 void Split::add(const at::Tensor& t, int64_t index) {
-  const auto dtype = kernel_dtype(t);
-  const cpu::TensorSpan span{dtype ? t.data_ptr() : nullptr, t.numel(), dtype.value_or(cpu::DType::Float32)};
-  add(index, t.scalar_type(), dtype ? &span : nullptr);
-}
-
-void Split::add(int64_t index, at::ScalarType type, const cpu::TensorSpan* span) {
-  promoted = index == 0 || type == promoted ? type : c10::promoteTypes(promoted, type);
-  if (span) {
-    spans.push_back(*span);
+  promoted = index == 0 ? t.scalar_type() : c10::promoteTypes(promoted, t.scalar_type());
+  if (const auto dtype = kernel_dtype(t)) {
+    spans.push_back({t.data_ptr(), t.numel(), *dtype});
     span_source.push_back(index);
   } else {
     aten_path.push_back(index);
@@ -215,8 +209,8 @@ void multi_tensor_scale_cpu(at::TensorList tensors, const at::Tensor& scale) {
   check_writable(tensors, split.aten_path, op);
   // torch multiplies a 0-d tensor by a 0-d scale in their promoted dtype (float32 x float64 in
   // float64), unlike any tensor with dimensions: leave those to ATen, which knows the rule.
-  std::vector<cpu::TensorSpan> spans;
-  std::vector<int64_t> sources;
+  UninitVector<cpu::TensorSpan> spans;
+  UninitVector<int64_t> sources;
   for (size_t k = 0; k < split.spans.size(); ++k) {
     const at::Tensor& t = tensors[split.span_source[k]];
     if (t.dim() == 0 && at::promote_types(t.scalar_type(), scale.scalar_type()) != t.scalar_type()) {
