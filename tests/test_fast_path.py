@@ -172,3 +172,32 @@ def test_a_long_list_with_a_tensor_the_walk_refuses_takes_the_general_path():
     reference = reference_norm(grads, 2.0)
     grads[LONG - 3] = grads[LONG - 3].as_subclass(Tagged)
     assert_close_rel(torchclip.get_total_norm(grads).item(), reference, NORM_RTOL[torch.float32])
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_grad_mode_changes_nothing():
+    # The drop-ins try the walk before entering no_grad(): under grad mode it must serve the same
+    # gradients the same way, return a norm autograd does not track, and step aside for gradients
+    # autograd does track (backward(create_graph=True)), which torch clips under no_grad.
+    params = long_params(seed=10)
+    theirs = clone_params(params)
+    with torch.enable_grad():
+        total = torchclip.clip_grad_norm_(params, 1.0)
+        expected = torch.nn.utils.clip_grad_norm_(theirs, 1.0)
+        assert not total.requires_grad and total.grad_fn is None
+        assert_close_rel(total.item(), expected.item(), 1e-5)
+        for p, q in zip(params, theirs):
+            torch.testing.assert_close(p.grad, q.grad, rtol=2e-5, atol=1e-7)
+
+    weight = torch.nn.Parameter(torch.tensor([3.0, -4.0]))
+    (weight ** 3).sum().backward(create_graph=True)
+    assert weight.grad.requires_grad
+    reference = weight.grad.detach().clone()
+    with torch.enable_grad():
+        total = torchclip.clip_grad_norm_([weight], 1.0)
+        torchclip.clip_grad_value_([weight], 1.0)
+        norm = torchclip.get_total_norm([weight.grad])
+    assert not total.requires_grad and not norm.requires_grad
+    assert_close_rel(total.item(), reference.norm().item(), 1e-6)
+    torch.testing.assert_close(weight.grad.detach(), (reference / (reference.norm() + 1e-6)).clamp(-1, 1))
+    weight.grad = None  # (breaks the reference cycle create_graph made)
