@@ -30,9 +30,9 @@ namespace {
 // the intra-op threads for long lists) that gathers the tensors and, for CPU tensors, sorts them for
 // the kernels (the Split the CPU ops build), then the CPU ops' shared implementations, called
 // directly. Why not Python: reading .grad costs ~55 ns per parameter per access (torch's filter reads
-// it twice: 1.1 ms for 10,000 parameters). Why not the dispatcher: for 10,000 x 100 floats its list handling (key sets,
-// refcounts, a second walk to split, the Autograd kernel's version bumps) cost 0.7 ms against 0.1 ms
-// of memory traffic. CUDA tensors do go to their kernels through the dispatcher, with the list built
+// it twice: 1.1 ms for 10,000 parameters). Why not the dispatcher: for 10,000 x 100 floats its list
+// handling (key sets, refcounts, a second walk to split, the Autograd kernel's version bumps) cost
+// 0.7 ms against 0.1 ms of memory traffic. CUDA tensors do go to their kernels through the dispatcher, with the list built
 // here: the Python loops this replaces (collecting .grad, checking each tensor's device and type)
 // cost ~0.6 us per tensor, more than the GPU work for 10,000 small gradients (clip_grad_value_ on an
 // H100 machine: 8.9 ms before, 2.9 ms after, torch 7.8-12 ms; `torchclip-bench --device cuda`). The
@@ -131,8 +131,9 @@ void prefetch_link(PyObject* object, int stage, bool take_grad) {
   }
   const at::Tensor& item = THPVariable_Unpack(object);
   const char* impl = reinterpret_cast<const char*>(item.unsafeGetTensorImpl());
-  if (stage == 2) {  // the walk reads its autograd_meta_ (offset 24), sizes (56 to 96 for 4-d) and,
-    prefetch(impl + 24);  // for a parameter, its sizes policy (166)
+  if (stage == 2) {  // the walk reads autograd_meta_ (offset 24), the sizes (56 to 96 for 4-d) and, for
+                     // a parameter, the sizes policy (166)
+    prefetch(impl + 24);
     prefetch(impl + 95);
     if (take_grad) {
       prefetch(impl + 166);
@@ -424,39 +425,6 @@ class PlainTensors {
 
   bool empty() const { return tensors_.empty(); }
 
- private:
-  // Moves the gathered items down over the slots left empty, in order, and files the tensors the
-  // kernels do not take under the Split's ATen path.
-  void close_gaps(const uint8_t* has_span) {
-    size_t kept = 0, spans_kept = 0;
-    for (size_t i = 0; i < tensors_.size(); ++i) {
-      if (!tensors_[i].defined()) {
-        continue;
-      }
-      if (kept != i) {
-        tensors_[kept] = std::move(tensors_[i]);  // (a pointer move: no reference counts change)
-        version_counters_[kept] = version_counters_[i];
-      }
-      if (device_.is_cpu()) {
-        if (has_span[i]) {
-          split_.spans[spans_kept] = split_.spans[i];
-          split_.span_source[spans_kept++] = static_cast<int64_t>(kept);
-        } else {
-          split_.aten_path.push_back(static_cast<int64_t>(kept));
-        }
-      }
-      ++kept;
-    }
-    tensors_.resize(kept);  // (only undefined tensors go)
-    version_counters_.resize(kept);
-    if (device_.is_cpu()) {
-      split_.spans.resize(spans_kept);
-      split_.span_source.resize(spans_kept);
-    }
-  }
-
- public:
-
   // Runs on_cpu(tensors, split) for CPU tensors, else through_dispatcher(tensors): with the GIL kept
   // while the tensors are borrowed, else not.
   template <typename OnCpu, typename ThroughDispatcher>
@@ -492,6 +460,36 @@ class PlainTensors {
   }
 
  private:
+  // Moves the gathered items down over the slots left empty, in order, and files the tensors the
+  // kernels do not take under the Split's ATen path.
+  void close_gaps(const uint8_t* has_span) {
+    size_t kept = 0, spans_kept = 0;
+    for (size_t i = 0; i < tensors_.size(); ++i) {
+      if (!tensors_[i].defined()) {
+        continue;
+      }
+      if (kept != i) {
+        tensors_[kept] = std::move(tensors_[i]);  // (a pointer move: no reference counts change)
+        version_counters_[kept] = version_counters_[i];
+      }
+      if (device_.is_cpu()) {
+        if (has_span[i]) {
+          split_.spans[spans_kept] = split_.spans[i];
+          split_.span_source[spans_kept++] = static_cast<int64_t>(kept);
+        } else {
+          split_.aten_path.push_back(static_cast<int64_t>(kept));
+        }
+      }
+      ++kept;
+    }
+    tensors_.resize(kept);  // (only undefined tensors go)
+    version_counters_.resize(kept);
+    if (device_.is_cpu()) {
+      split_.spans.resize(spans_kept);
+      split_.span_source.resize(spans_kept);
+    }
+  }
+
   std::vector<at::Tensor> tensors_;
   torchclip::UninitVector<VersionCounterLayout*> version_counters_;
   c10::Device device_{c10::kCPU};
