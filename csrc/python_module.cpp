@@ -117,6 +117,17 @@ inline void prefetch(const void* address, bool for_write = false) {
   }
 }
 
+// The counter a tensor's VariableVersion points to. c10 keeps its type private; this is the same
+// definition, hence the same layout (checked once at run time: version_counters_writable()).
+struct VersionCounterLayout : c10::intrusive_ptr_target {
+  std::atomic<uint32_t> version_;
+};
+
+inline VersionCounterLayout* version_counter_of(const c10::TensorImpl* impl) {
+  static_assert(sizeof(c10::VariableVersion) == sizeof(void*), "VariableVersion is one pointer");
+  return *reinterpret_cast<VersionCounterLayout* const*>(&impl->version_counter());
+}
+
 // Requests one link of an item's chain (stage 1: its Python object, 2: its TensorImpl, 3: its
 // AutogradMeta, 4: its gradient's TensorImpl, 5: that tensor's StorageImpl and version counter; items
 // gathered as themselves skip stages 3 and 4). Field offsets are torch 2.13's TensorImpl layout; in
@@ -168,10 +179,8 @@ void prefetch_link(PyObject* object, int stage, bool take_grad) {
   if (target->has_storage()) {  // its data pointer
     prefetch(reinterpret_cast<const char*>(target->unsafe_storage().unsafeGetStorageImpl()) + 16);
   }
-  // VariableVersion holds one intrusive_ptr; the counter it points to is written by the version bump.
-  static_assert(sizeof(c10::VariableVersion) == sizeof(void*), "VariableVersion is one pointer");
-  const void* counter = *reinterpret_cast<const void* const*>(&target->version_counter());
-  if (counter != nullptr) {
+  // The counter the version bump writes.
+  if (const VersionCounterLayout* counter = version_counter_of(target)) {
     prefetch(counter, /*for_write=*/true);
   }
 }
@@ -182,22 +191,11 @@ constexpr bool kCudaKernels = true;  // torchclip._cuda registers them (imported
 constexpr bool kCudaKernels = false;
 #endif
 
-// The counter a tensor's VariableVersion points to. c10 keeps its type private; this is the same
-// definition, hence the same layout (checked once at run time: version_counters_writable()).
-struct VersionCounterLayout : c10::intrusive_ptr_target {
-  std::atomic<uint32_t> version_;
-};
-
-inline VersionCounterLayout* version_counter_of(const at::Tensor& t) {
-  static_assert(sizeof(c10::VariableVersion) == sizeof(void*), "VariableVersion is one pointer");
-  return *reinterpret_cast<VersionCounterLayout* const*>(&t.unsafeGetTensorImpl()->version_counter());
-}
-
 // Whether version_counter_of() reads the counter torch's own bump_version() writes.
 bool version_counters_writable() {
   static const bool writable = [] {
     at::Tensor probe = at::zeros({1});
-    VersionCounterLayout* counter = version_counter_of(probe);
+    VersionCounterLayout* counter = version_counter_of(probe.unsafeGetTensorImpl());
     const uint32_t before = probe._version();
     probe.unsafeGetTensorImpl()->bump_version();
     return counter != nullptr && counter->version_.load() == before + 1 && probe._version() == before + 1;
@@ -285,7 +283,7 @@ bool walk_items(PyObject* const* elements, Py_ssize_t begin, Py_ssize_t end, con
         (rules.take_grad && !same_sizes(tensor, item))) {
       return false;  // (an inference tensor has no Autograd key)
     }
-    VersionCounterLayout* const version_counter = version_counter_of(tensor);
+    VersionCounterLayout* const version_counter = version_counter_of(tensor.unsafeGetTensorImpl());
     if (version_counter == nullptr) {
       return false;  // (only inference tensors have none; torch's bump would raise)
     }

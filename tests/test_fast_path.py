@@ -114,23 +114,19 @@ def long_params(seed, none_every=0):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_long_list_is_clipped_as_torch_does_on_any_thread_count(threads):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        params = long_params(seed=5, none_every=7)
-        theirs = clone_params(params)
-        torchclip.clip_grad_value_(params, 1.0)
-        torch.nn.utils.clip_grad_value_(theirs, 1.0)
-        for p, q in zip(params, theirs):
-            assert (p.grad is None) == (q.grad is None)
-            if p.grad is not None:
-                torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
-        grads = [p.grad for p in long_params(seed=6)]
-        ours = torchclip.get_total_norm(grads)
-        assert_close_rel(ours.item(), reference_norm(grads, 2.0), NORM_RTOL[torch.float32])
-        assert ours.dtype == torch.float32 and ours.shape == ()
-    finally:
-        torch.set_num_threads(previous)
+    torch.set_num_threads(threads)  # (conftest restores it)
+    params = long_params(seed=5, none_every=7)
+    theirs = clone_params(params)
+    torchclip.clip_grad_value_(params, 1.0)
+    torch.nn.utils.clip_grad_value_(theirs, 1.0)
+    for p, q in zip(params, theirs):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    grads = [p.grad for p in long_params(seed=6)]
+    ours = torchclip.get_total_norm(grads)
+    assert_close_rel(ours.item(), reference_norm(grads, 2.0), NORM_RTOL[torch.float32])
+    assert ours.dtype == torch.float32 and ours.shape == ()
 
 
 def test_a_long_list_bumps_each_version_once():
