@@ -88,13 +88,72 @@ C10_ALWAYS_INLINE bool same_sizes(const at::Tensor& grad, const at::Tensor& para
   return true;
 }
 
+// The autograd meta of a TensorImpl, read from the field. TensorImpl::autograd_meta() is a call into
+// libc10, reached through torch's get_autograd_meta(), a call into libtorch; the walk needs the meta
+// four times per item (the item's twice, ahead and when gathering it, its gradient's once or twice),
+// and in a profile of the walk on 1,000 gradients warm in cache those calls and their PLT hops took a
+// third of its time. The field is private, but it is declared right before the protected
+// extra_meta_, whose offset a derived class may name (&TensorImplFields::extra_meta_ has type
+// `std::unique_ptr<ExtraMeta> TensorImpl::*`). autograd_meta_offset() checks the result once against
+// autograd_meta() and gives -1 when it does not hold, and the walk then calls autograd_meta().
+struct TensorImplFields : c10::TensorImpl {
+  static const std::optional<c10::Device>& device(const c10::TensorImpl* impl) {
+    return impl->*(&TensorImplFields::device_opt_);
+  }
+  static std::ptrdiff_t offset_before_extra_meta(const c10::TensorImpl* impl) {
+    return reinterpret_cast<const char*>(&(impl->*(&TensorImplFields::extra_meta_))) -
+        reinterpret_cast<const char*>(impl) - static_cast<std::ptrdiff_t>(sizeof(std::unique_ptr<c10::AutogradMetaInterface>));
+  }
+};
+
+inline const torch::autograd::AutogradMeta* autograd_meta_at(const c10::TensorImpl* impl, std::ptrdiff_t offset) {
+  const c10::AutogradMetaInterface* meta = offset >= 0
+      ? *reinterpret_cast<c10::AutogradMetaInterface* const*>(reinterpret_cast<const char*>(impl) + offset)
+      : impl->autograd_meta();
+  // (torch's get_autograd_meta() casts the same way: every autograd meta is an AutogradMeta)
+  return static_cast<const torch::autograd::AutogradMeta*>(meta);
+}
+
+std::ptrdiff_t autograd_meta_offset() {
+  static const std::ptrdiff_t offset = [] {
+    const at::Tensor plain = at::zeros({1});
+    at::Tensor tracked = at::zeros({1});
+    tracked.set_requires_grad(true);
+    const c10::TensorImpl* impl = tracked.unsafeGetTensorImpl();
+    const std::ptrdiff_t candidate = TensorImplFields::offset_before_extra_meta(impl);
+    const bool holds = impl->autograd_meta() != nullptr && autograd_meta_at(impl, candidate) == impl->autograd_meta() &&
+        plain.unsafeGetTensorImpl()->autograd_meta() == nullptr &&
+        autograd_meta_at(plain.unsafeGetTensorImpl(), candidate) == nullptr;
+    return holds ? candidate : std::ptrdiff_t{-1};
+  }();
+  return offset;
+}
+
 // A gradient: the field itself. Tensor::grad() first asks autograd (a virtual call into libtorch)
 // whether the item is a leaf, only to warn about non-leaf items, and TensorImpl::grad() reads the
 // autograd meta's vtable, often a cache line of its own.
-inline const at::Tensor& grad_of(const at::Tensor& item) {
+inline const at::Tensor& grad_of(const at::Tensor& item, std::ptrdiff_t meta_offset) {
   static const at::Tensor undefined;
-  const torch::autograd::AutogradMeta* meta = torch::autograd::impl::get_autograd_meta(item);
+  const torch::autograd::AutogradMeta* meta = autograd_meta_at(item.unsafeGetTensorImpl(), meta_offset);
   return meta != nullptr ? meta->grad_ : undefined;
+}
+
+// TensorImpl::requires_grad() without its calls: into libc10, then the meta's virtual requires_grad(),
+// which for a view (every gradient in a DDP bucket or a flat buffer) asks its base through libc10
+// again; 5% of the warm walk's time in a profile. These are the fields those calls read, in
+// DifferentiableViewMeta::requires_grad()'s order (an inline function of the headers built against),
+// with the test torch's get_view_autograd_meta() uses: is_view_ marks a DifferentiableViewMeta.
+inline bool requires_grad(const c10::TensorImpl* impl, std::ptrdiff_t meta_offset) {
+  const torch::autograd::AutogradMeta* meta = autograd_meta_at(impl, meta_offset);
+  if (meta == nullptr) {
+    return false;
+  }
+  if (!meta->is_view_) {
+    return meta->requires_grad();
+  }
+  const auto* view = static_cast<const torch::autograd::DifferentiableViewMeta*>(meta);
+  return view->requires_grad_ || view->grad_fn_ ||
+      (view->has_bw_view() && requires_grad(view->get_backward_view().base_.unsafeGetTensorImpl(), meta_offset));
 }
 
 // The walk's cost is memory latency: each item is a chain of dependent loads, Python object ->
@@ -132,7 +191,7 @@ inline VersionCounterLayout* version_counter_of(const c10::TensorImpl* impl) {
 // AutogradMeta, 4: its gradient's TensorImpl, 5: that tensor's StorageImpl and version counter; items
 // gathered as themselves skip stages 3 and 4). Field offsets are torch 2.13's TensorImpl layout; in
 // another layout a request may fetch a line the walk does not read, which costs only the request.
-void prefetch_link(PyObject* object, int stage, bool take_grad) {
+void prefetch_link(PyObject* object, int stage, bool take_grad, std::ptrdiff_t meta_offset) {
   if (stage == 1) {
     prefetch(&reinterpret_cast<THPVariable*>(object)->cdata);
     return;
@@ -153,7 +212,7 @@ void prefetch_link(PyObject* object, int stage, bool take_grad) {
   }
   const at::Tensor* tensor = &item;
   if (take_grad) {
-    const torch::autograd::AutogradMeta* meta = torch::autograd::impl::get_autograd_meta(item);
+    const torch::autograd::AutogradMeta* meta = autograd_meta_at(item.unsafeGetTensorImpl(), meta_offset);
     if (meta == nullptr) {
       return;
     }
@@ -176,8 +235,9 @@ void prefetch_link(PyObject* object, int stage, bool take_grad) {
     return;
   }
   const c10::TensorImpl* target = tensor->unsafeGetTensorImpl();
-  if (target->has_storage()) {  // its data pointer
-    prefetch(reinterpret_cast<const char*>(target->unsafe_storage().unsafeGetStorageImpl()) + 16);
+  // Its data pointer. (The field itself: has_storage() is a virtual call.)
+  if (const c10::StorageImpl* storage = target->unsafe_storage().unsafeGetStorageImpl()) {
+    prefetch(reinterpret_cast<const char*>(storage) + 16);
   }
   // The counter the version bump writes.
   if (const VersionCounterLayout* counter = version_counter_of(target)) {
@@ -218,6 +278,40 @@ struct WalkOutput {
   uint8_t* has_span;
 };
 
+// The items of a fast-path call: a list or tuple as it is, or one tensor; nothing for any other
+// iterable (a generator: the Python path drains it into a list, and warns when it is empty).
+struct Items {
+  PyObject* const* elements;
+  Py_ssize_t count;
+};
+
+std::optional<Items> items_of(PyObject* const& object) {
+  if (PyList_Check(object) || PyTuple_Check(object)) {
+    return Items{PySequence_Fast_ITEMS(object), PySequence_Fast_GET_SIZE(object)};
+  }
+  if (THPVariable_Check(object)) {
+    return Items{&object, 1};
+  }
+  return std::nullopt;
+}
+
+// A Python float or int as a double; nothing for anything else, which the Python path converts with
+// float() or names in its error.
+std::optional<double> plain_number(const py::handle& value) {
+  if (PyFloat_CheckExact(value.ptr())) {
+    return PyFloat_AS_DOUBLE(value.ptr());
+  }
+  if (PyLong_CheckExact(value.ptr())) {
+    const double converted = PyLong_AsDouble(value.ptr());
+    if (converted == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();  // (too large for a double: float() raises, naming the argument)
+      return std::nullopt;
+    }
+    return converted;
+  }
+  return std::nullopt;
+}
+
 // What one walker adds up over the items it gathered.
 struct WalkTally {
   std::optional<at::ScalarType> promoted;
@@ -238,8 +332,13 @@ struct WalkTally {
   }
 };
 
+// The keys of tensors that wrap others (a Python subclass, fake or functional tensor): their metadata
+// are answered by the wrapper, and their data are not theirs to write.
+const c10::DispatchKeySet kWrapperKeys({c10::DispatchKey::Python, c10::DispatchKey::Functionalize});
+
 // What every item of one walk is checked against.
 struct WalkRules {
+  std::ptrdiff_t meta_offset;  // autograd_meta_offset()
   bool take_grad;
   bool honor_need_clip;
   bool grad_mode;
@@ -258,14 +357,14 @@ bool walk_items(PyObject* const* elements, Py_ssize_t begin, Py_ssize_t end, con
     for (int stage = 1; stage <= 5; ++stage) {
       const Py_ssize_t ahead = i + (6 - stage) * kPrefetchStride;
       if (ahead < end) {
-        prefetch_link(elements[ahead], stage, rules.take_grad);
+        prefetch_link(elements[ahead], stage, rules.take_grad, rules.meta_offset);
       }
     }
     if (!THPVariable_CheckExact(elements[i])) {
       return false;
     }
     const at::Tensor& item = THPVariable_Unpack(elements[i]);
-    const at::Tensor& tensor = rules.take_grad ? grad_of(item) : item;
+    const at::Tensor& tensor = rules.take_grad ? grad_of(item, rules.meta_offset) : item;
     if (!tensor.defined()) {
       if (rules.take_grad && !item.is_leaf()) {
         return false;  // torch warns when a non-leaf's .grad is read: the Python path reads it
@@ -277,20 +376,23 @@ bool walk_items(PyObject* const* elements, Py_ssize_t begin, Py_ssize_t end, con
       tally.left_out = true;
       continue;
     }
-    const c10::DispatchKeySet keys = tensor.key_set();
-    if (tensor.device() != rules.device || tensor.layout() != at::kStrided || keys.has(c10::DispatchKey::Python) ||
-        !keys.has(rules.autograd_key) || (rules.grad_mode && tensor.requires_grad()) ||
+    const c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
+    const c10::DispatchKeySet keys = impl->key_set();
+    // The device from the field: device() is a call into libc10, which asks the tensor only when it is a
+    // wrapper (a Python subclass or a functional tensor, keys refused here).
+    if (TensorImplFields::device(impl) != rules.device || tensor.layout() != at::kStrided || keys.has_any(kWrapperKeys) ||
+        !keys.has(rules.autograd_key) || (rules.grad_mode && requires_grad(impl, rules.meta_offset)) ||
         (rules.take_grad && !same_sizes(tensor, item))) {
       return false;  // (an inference tensor has no Autograd key)
     }
-    VersionCounterLayout* const version_counter = version_counter_of(tensor.unsafeGetTensorImpl());
+    VersionCounterLayout* const version_counter = version_counter_of(impl);
     if (version_counter == nullptr) {
       return false;  // (only inference tensors have none; torch's bump would raise)
     }
     // A borrow, as MaybeOwnedTraits<at::Tensor>::createBorrow() makes, over the undefined tensor the
     // slot holds (whose destruction would do nothing).
     ::new (&out.tensors[i]) at::Tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(
-        tensor.unsafeGetTensorImpl(), c10::raw::DontIncreaseRefcount{}));
+        const_cast<c10::TensorImpl*>(impl), c10::raw::DontIncreaseRefcount{}));
     out.version_counters[i] = version_counter;
     tally.add(tensor.scalar_type());
     tally.elements += tensor.numel();
@@ -343,21 +445,22 @@ class PlainTensors {
   // dispatcher's path raises there), and, for a gradient, of its parameter's shape (the Python path
   // raises, naming both shapes).
   bool collect(py::handle items, bool take_grad, bool honor_need_clip) {
-    PyObject* seq = items.ptr();
-    if (!eligible() || (!PyList_Check(seq) && !PyTuple_Check(seq))) {
+    PyObject* const object = items.ptr();  // (a lone tensor's Items point here)
+    const std::optional<Items> listed = items_of(object);
+    if (!eligible() || !listed) {
       return false;
     }
-    const Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
-    PyObject* const* elements = PySequence_Fast_ITEMS(seq);
-    WalkRules rules{take_grad, honor_need_clip, c10::GradMode::is_enabled(), c10::Device(c10::kCPU),
-        c10::DispatchKey::AutogradCPU};
+    const Py_ssize_t count = listed->count;
+    PyObject* const* elements = listed->elements;
+    WalkRules rules{autograd_meta_offset(), take_grad, honor_need_clip, c10::GradMode::is_enabled(),
+        c10::Device(c10::kCPU), c10::DispatchKey::AutogradCPU};
     // The device every tensor must be on: the first defined tensor's.
     for (Py_ssize_t i = 0; i < count; ++i) {
       if (!THPVariable_CheckExact(elements[i])) {
         return false;
       }
       const at::Tensor& item = THPVariable_Unpack(elements[i]);
-      const at::Tensor& tensor = take_grad ? grad_of(item) : item;
+      const at::Tensor& tensor = take_grad ? grad_of(item, rules.meta_offset) : item;
       if (tensor.defined()) {
         rules.device = tensor.device();
         if (!rules.device.is_cpu() && !(kCudaKernels && rules.device.is_cuda())) {
@@ -501,34 +604,55 @@ py::object wrap(at::Tensor tensor) {
 }
 
 // get_total_norm: the total norm, or None when the general path must serve these tensors.
-py::object total_norm_of_plain(py::handle tensors, double norm_type, bool error_if_nonfinite) {
+// Python's truth of a flag, as torch's `if error_if_nonfinite and ...` takes it.
+bool truth(const py::handle& flag) {
+  const int is_true = PyObject_IsTrue(flag.ptr());
+  if (is_true < 0) {
+    throw py::error_already_set();
+  }
+  return is_true != 0;
+}
+
+// The entry points take the drop-ins' arguments as the caller passed them, so that the drop-ins
+// call here first thing: a Python-side conversion (a list, a float) cost 10-20 us of a 0.5 ms call
+// on 10,000 parameters, its code and objects cold after the step's other work (a diagnostic, not a
+// claim). Numbers other than a float or an int, and iterables other than a list, a tuple or a tensor,
+// are left to the Python path, which converts them or names them in its error.
+
+// get_total_norm: the total norm, or None when the general path must serve these tensors.
+py::object total_norm_of_plain(py::handle tensors, py::handle norm_type_arg, py::handle error_if_nonfinite) {
+  const std::optional<double> norm_type = plain_number(norm_type_arg);
+  const bool nonfinite_raises = truth(error_if_nonfinite);  // (before the walk: __bool__ may run Python)
   PlainTensors gathered;
-  if (!gathered.collect(tensors, false, false) || gathered.empty()) {
+  if (!norm_type || !gathered.collect(tensors, false, false) || gathered.empty()) {
     return py::none();
   }
   return wrap(gathered.run(
       [&](at::TensorList list, const torchclip::Split& split) {
-        return torchclip::total_norm_split(list, split, norm_type, error_if_nonfinite);
+        return torchclip::total_norm_split(list, split, *norm_type, nonfinite_raises);
       },
       [&](at::TensorList list) {
-        return std::get<0>(torchclip::op_handles::multi_tensor_norm().call(list, norm_type, error_if_nonfinite));
+        return std::get<0>(torchclip::op_handles::multi_tensor_norm().call(list, *norm_type, nonfinite_raises));
       }));
 }
 
 // clip_grad_norm_ and ClipGradByGlobalNorm: the total norm, or None (general path, or no gradients).
-py::object clip_grad_norm_of_plain(py::handle parameters, double max_norm, double norm_type,
-    bool error_if_nonfinite, double eps, bool norm_at_least_float32, bool honor_need_clip, const std::string& nonfinite) {
+py::object clip_grad_norm_of_plain(py::handle parameters, py::handle max_norm_arg, py::handle norm_type_arg,
+    py::handle error_if_nonfinite, double eps, bool norm_at_least_float32, bool honor_need_clip,
+    const std::string& nonfinite) {
+  const std::optional<double> max_norm = plain_number(max_norm_arg), norm_type = plain_number(norm_type_arg);
+  const bool nonfinite_raises = truth(error_if_nonfinite);  // (before the walk: __bool__ may run Python)
   PlainTensors grads;
-  if (!grads.collect(parameters, true, honor_need_clip) || grads.empty()) {
+  if (!max_norm || !norm_type || !grads.collect(parameters, true, honor_need_clip) || grads.empty()) {
     return py::none();
   }
   at::Tensor total = grads.run(
       [&](at::TensorList list, const torchclip::Split& split) {
-        return torchclip::clip_grad_norm_split(list, split, max_norm, norm_type, error_if_nonfinite, eps,
+        return torchclip::clip_grad_norm_split(list, split, *max_norm, *norm_type, nonfinite_raises, eps,
             norm_at_least_float32, nonfinite);
       },
       [&](at::TensorList list) {
-        return torchclip::op_handles::clip_grad_norm_().call(list, max_norm, norm_type, error_if_nonfinite, eps,
+        return torchclip::op_handles::clip_grad_norm_().call(list, *max_norm, *norm_type, nonfinite_raises, eps,
             norm_at_least_float32, nonfinite);
       });
   grads.bump_versions();
@@ -567,6 +691,12 @@ bool clamp_grads_of_plain(py::handle parameters, double min, double max, bool ho
   return true;
 }
 
+// clip_grad_value_: True when done here (including "no gradients"), False for the general path.
+bool clip_grad_value_of_plain(py::handle parameters, py::handle clip_value_arg) {
+  const std::optional<double> clip_value = plain_number(clip_value_arg);
+  return clip_value && clamp_grads_of_plain(parameters, -*clip_value, *clip_value, false);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -593,6 +723,8 @@ PYBIND11_MODULE(_C, m) {
     return false;
 #endif
   });
+  m.def("walk_reads_fields", [] { return autograd_meta_offset() >= 0 && version_counters_writable(); },
+      "Whether the parameter walk reads autograd metas and version counters from the fields (tests).");
   m.def("load_cpu_kernels", &torchclip::load_cpu_kernels, py::arg("path"),
       "Load a per-ISA CPU kernel library and use it for every CPU op from now on.");
   m.def("loaded_cpu_capability", &torchclip::loaded_cpu_capability);
@@ -604,6 +736,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("nonfinite") = "propagate");
   m.def("clip_by_tensor_norm_of_plain", &clip_by_tensor_norm_of_plain, py::arg("parameters"),
       py::arg("max_norm"), py::arg("honor_need_clip"), py::arg("nonfinite") = "propagate");
+  m.def("clip_grad_value_of_plain", &clip_grad_value_of_plain, py::arg("parameters"), py::arg("clip_value"));
   m.def("clamp_grads_of_plain", &clamp_grads_of_plain, py::arg("parameters"), py::arg("min"),
       py::arg("max"), py::arg("honor_need_clip") = false);
 }

@@ -197,3 +197,74 @@ def test_grad_mode_changes_nothing():
     assert_close_rel(total.item(), reference.norm().item(), 1e-6)
     torch.testing.assert_close(weight.grad.detach(), (reference / (reference.norm() + 1e-6)).clamp(-1, 1))
     weight.grad = None  # (breaks the reference cycle create_graph made)
+
+
+def test_the_walk_reads_the_fields_directly():
+    # The walk reads a TensorImpl's autograd meta and version counter from the fields (calls into
+    # libc10 cost a third of its time); each read is checked once against torch's accessor and falls
+    # back to it when the layout differs. This torch must take the direct reads, or the walk is slow.
+    assert torchclip._C.walk_reads_fields()
+
+
+def test_a_view_whose_base_requires_grad_is_seen_to_require_grad():
+    # A gradient that is a view, made under no_grad, of a tensor that requires grad requires grad
+    # through its base only (no grad_fn, no flag of its own). The walk reads that from the fields,
+    # as DifferentiableViewMeta does; if it missed it, the classes, which do not leave grad mode,
+    # would clip the view here instead of raising as their ops do in grad mode.
+    def view_gradient():
+        base = torch.linspace(-3, 3, 10, requires_grad=True)
+        with torch.no_grad():
+            view = base[:5]
+        assert view.requires_grad and view.grad_fn is None and view._is_view()
+        weight = torch.nn.Parameter(torch.zeros(5))
+        weight.grad = view
+        return weight
+
+    weight = view_gradient()
+    before = weight.grad.detach().clone()
+    with torch.enable_grad(), pytest.raises(RuntimeError, match=r"tensors\[0\] requires grad and grad mode is on"):
+        torchclip.ClipGradByValue(1.0)([weight])
+    torch.testing.assert_close(weight.grad.detach(), before, rtol=0, atol=0)
+    # The drop-ins clip it under no_grad, as torch's do.
+    ours, theirs = view_gradient(), view_gradient()
+    with torch.enable_grad():
+        torchclip.clip_grad_value_([ours], 1.0)
+        torch.nn.utils.clip_grad_value_([theirs], 1.0)
+    torch.testing.assert_close(ours.grad.detach(), theirs.grad.detach(), rtol=0, atol=0)
+
+
+# What the drop-ins receive, as callers pass it: one tensor, a tuple, numbers of other types, a flag
+# that is not a bool. The walk takes plain floats and ints and lists, tuples or one tensor; the
+# Python path converts the rest. Every form must give torch's result.
+ARGUMENT_FORMS = {
+    "one tensor": lambda params: (params[0], 0.5),
+    "a tuple": lambda params: (tuple(params), 0.5),
+    "an int": lambda params: (params, 1),
+    "a numpy float": lambda params: (params, pytest.importorskip("numpy").float64(0.5)),
+    "a 0-d tensor": lambda params: (params, torch.tensor(0.5)),
+    "a float subclass": lambda params: (params, type("Half", (float,), {})(0.5)),
+}
+
+
+@pytest.mark.parametrize("form", ARGUMENT_FORMS)
+def test_every_argument_form_gives_torchs_result(form):
+    for ours, theirs in [
+        (lambda ps, x: torchclip.clip_grad_value_(ps, x), lambda ps, x: torch.nn.utils.clip_grad_value_(ps, x)),
+        (lambda ps, x: torchclip.clip_grad_norm_(ps, x, error_if_nonfinite=1),
+         lambda ps, x: torch.nn.utils.clip_grad_norm_(ps, x, error_if_nonfinite=1)),
+        (lambda ps, x: torchclip.get_total_norm([p.grad for p in ps] if isinstance(ps, list) else
+                                                ps.grad if isinstance(ps, torch.Tensor) else
+                                                tuple(p.grad for p in ps), 2 * x),
+         lambda ps, x: torch.nn.utils.get_total_norm([p.grad for p in ps] if isinstance(ps, list) else
+                                                     ps.grad if isinstance(ps, torch.Tensor) else
+                                                     tuple(p.grad for p in ps), 2 * x)),
+    ]:
+        params = make_params(SPECS, seed=11, scale=10.0)
+        expected = clone_params(params)
+        got = ours(*ARGUMENT_FORMS[form](params))
+        want = theirs(*ARGUMENT_FORMS[form](expected))
+        if want is not None:
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert_close_rel(got.item(), want.item(), 1e-5)
+        for p, q in zip(params, expected):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)

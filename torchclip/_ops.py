@@ -214,3 +214,4 @@ total_norm_of_plain = _C.total_norm_of_plain
 clip_grad_norm_of_plain = _C.clip_grad_norm_of_plain
 clip_by_tensor_norm_of_plain = _C.clip_by_tensor_norm_of_plain
 clamp_grads_of_plain = _C.clamp_grads_of_plain
+clip_grad_value_of_plain = _C.clip_grad_value_of_plain

@@ -94,11 +94,16 @@ def _grads(parameters: list) -> list[Tensor]:
     return grads
 
 
-# The public functions try the C++ fast path before they enter no_grad(), and leave to a no_grad()
-# function what it does not serve: the fast path serves only tensors autograd does not track (it steps
-# aside for the rest, see csrc/python_module.cpp), so grad mode changes nothing there, and entering
-# and leaving no_grad() cost 4-10 us of a 0.5 ms call on 10,000 parameters (a diagnostic, not a claim),
-# the Python objects it touches being cold after the call before.
+# The public functions try the C++ fast path first thing, with their arguments as given, and leave to
+# a no_grad() function what it does not serve: the fast path serves only tensors autograd does not
+# track (it steps aside for the rest, see csrc/python_module.cpp), so grad mode changes nothing there.
+# Each Python step before it (entering no_grad(), converting the list and the numbers, asking
+# torch.compiler.is_compiling(), which calls torch.jit.is_scripting()) cost 4-10 us of a 0.5 ms call
+# on 10,000 parameters (a diagnostic, not a claim), its code and objects being cold after the step's
+# other work. Under torch.compile, dynamo reads _is_dynamo_compiling() as True and traces the Python
+# path; the other tracers (make_fx, non-strict export) run with dispatch modes or fake tensors, which
+# the fast path refuses.
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
 def get_total_norm(
@@ -119,12 +124,12 @@ def get_total_norm(
     ``process_group`` (torchclip only): the tensors are this rank's shard of the group's; the result
     is the norm of all of them, the same on every rank (see torchclip.distributed).
     """
-    tensors = _as_list(tensors)
-    norm_type = _as_number("norm_type", norm_type)
-    if process_group is None and len(tensors) > 0 and not torch.compiler.is_compiling():
+    if process_group is None and not _is_dynamo_compiling():
         total_norm = _ops.total_norm_of_plain(tensors, norm_type, error_if_nonfinite)
         if total_norm is not None:
             return total_norm
+    tensors = _as_list(tensors)
+    norm_type = _as_number("norm_type", norm_type)
     return _get_total_norm(tensors, norm_type, error_if_nonfinite, foreach, process_group)
 
 
@@ -249,6 +254,11 @@ def clip_grad_norm_(
     ``process_group`` (torchclip only): the parameters are this rank's shard; every rank gets the
     global norm and clips with the same coefficient, at the cost of one all_gather of one scalar.
     """
+    eager = process_group is None and not _is_dynamo_compiling()
+    if eager:
+        total_norm = _ops.clip_grad_norm_of_plain(parameters, max_norm, norm_type, error_if_nonfinite)
+        if total_norm is not None:
+            return total_norm
     if isinstance(parameters, Tensor):
         parameters = [parameters]
     else:
@@ -257,12 +267,9 @@ def clip_grad_norm_(
         if is_generator and len(parameters) == 0:
             # The caller's line, as torch's warning names it.
             warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=2)
-    if process_group is None and not torch.compiler.is_compiling():
-        total_norm = _ops.clip_grad_norm_of_plain(
-            parameters, _as_number("max_norm", max_norm), _as_number("norm_type", norm_type), bool(error_if_nonfinite)
-        )
-        if total_norm is not None:
-            return total_norm
+    if eager:  # bad numbers raise here, before any path reads a gradient
+        _as_number("max_norm", max_norm)
+        _as_number("norm_type", norm_type)
     return _clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach, process_group)
 
 
@@ -320,10 +327,10 @@ def clip_grad_value_(
     Drop-in for :func:`torch.nn.utils.clip_grad_value_`, in one read-write pass on CPU (torch makes two).
     Parameters without gradients are skipped; if none has one, nothing happens.
     """
+    if not _is_dynamo_compiling() and _ops.clip_grad_value_of_plain(parameters, clip_value):
+        return None
     parameters = _as_list(parameters)
     clip_value = _as_number("clip_value", clip_value)
-    if not torch.compiler.is_compiling() and _ops.clamp_grads_of_plain(parameters, -clip_value, clip_value):
-        return None
     return _clip_grad_value_(parameters, clip_value, foreach)
 
 
