@@ -217,3 +217,49 @@ def test_general_path_agrees_with_the_kernels(make_clip, dtype):
         assert type(q.grad) is SubclassedGrad
         torch.testing.assert_close(q.grad.as_subclass(torch.Tensor).double(), p.grad.double(),
                                    rtol=CLIP_RTOL[dtype], atol=1e-6)
+
+
+# Lists this long are walked by every intra-op thread (csrc/python_module.cpp); the need_clip marks
+# are read first, on the calling thread.
+LONG = 5000
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("make_clip", [lambda: ClipGradByGlobalNorm(0.05), lambda: ClipGradByNorm(0.01),
+                                       lambda: ClipGradByValue(0.01, -0.02)])
+def test_need_clip_on_a_long_list_matches_the_python_path(make_clip, threads):
+    torch.set_num_threads(threads)  # (conftest restores it)
+    params = make_params([((3 + i % 5,), torch.float32) for i in range(LONG)], seed=21, none_every=11)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for i, (p, t) in enumerate(zip(params, twins)):
+        t.grad = None if p.grad is None else p.grad.clone()
+        if i % 7 == 3:
+            torchclip.set_need_clip([p, t], False)
+    make_clip()(params)  # the C++ walk
+    make_clip()([(t, t.grad) for t in twins])  # the pairs form: the Python walk
+    for p, t in zip(params, twins):
+        assert (p.grad is None) == (t.grad is None)
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, t.grad, rtol=CLIP_RTOL[torch.float32], atol=1e-7)
+
+
+def test_a_need_clip_property_that_drops_gradients_is_read_before_the_walk(monkeypatch):
+    # need_clip looked up on a parameter may run Python code (here a property on the class) that
+    # changes gradients. Every mark is read before the walk borrows any gradient, so a gradient
+    # dropped that way is simply not there, and the others are clipped.
+    params = make_params([((4,), torch.float32) for _ in range(LONG)], seed=22, scale=10.0)
+    dropped = set(range(0, LONG, 9))
+
+    def need_clip(self):
+        if self.index in dropped:
+            self.grad = None
+        return True
+
+    for i, p in enumerate(params):
+        p.index = i
+    monkeypatch.setattr(torch.nn.Parameter, "need_clip", property(need_clip), raising=False)
+    ClipGradByValue(0.5)(params)
+    for i, p in enumerate(params):
+        assert (p.grad is None) == (i in dropped)
+        if p.grad is not None:
+            assert p.grad.abs().max() <= 0.5

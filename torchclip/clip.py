@@ -114,7 +114,7 @@ class ClipGradBase:
         else:
             # The eager fast path walks the parameters (and their need_clip marks) in C++; a
             # need_clip predicate is Python, so it takes the Python walk.
-            if self._need_clip_predicate is None and not torch.compiler.is_compiling() and self._clip_parameters(items):
+            if self._need_clip_predicate is None and not _ops.dynamo_is_tracing() and self._clip_parameters(items):
                 return None
             pairs = [(p, p.grad) for p in items if p.grad is not None]
         self._clip_pairs([(p, g) for p, g in pairs if self._wants(p)])

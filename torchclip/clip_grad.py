@@ -98,12 +98,8 @@ def _grads(parameters: list) -> list[Tensor]:
 # a no_grad() function what it does not serve: the fast path serves only tensors autograd does not
 # track (it steps aside for the rest, see csrc/python_module.cpp), so grad mode changes nothing there.
 # Each Python step before it (entering no_grad(), converting the list and the numbers, asking
-# torch.compiler.is_compiling(), which calls torch.jit.is_scripting()) cost 4-10 us of a 0.5 ms call
-# on 10,000 parameters (a diagnostic, not a claim), its code and objects being cold after the step's
-# other work. Under torch.compile, dynamo reads _is_dynamo_compiling() as True and traces the Python
-# path; the other tracers (make_fx, non-strict export) run with dispatch modes or fake tensors, which
-# the fast path refuses.
-_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
+# torch.compiler.is_compiling()) cost 4-10 us of a 0.5 ms call on 10,000 parameters (a diagnostic,
+# not a claim), its code and objects being cold after the step's other work.
 
 
 def get_total_norm(
@@ -124,7 +120,7 @@ def get_total_norm(
     ``process_group`` (torchclip only): the tensors are this rank's shard of the group's; the result
     is the norm of all of them, the same on every rank (see torchclip.distributed).
     """
-    if process_group is None and not _is_dynamo_compiling():
+    if process_group is None and not _ops.dynamo_is_tracing():
         total_norm = _ops.total_norm_of_plain(tensors, norm_type, error_if_nonfinite)
         if total_norm is not None:
             return total_norm
@@ -254,7 +250,7 @@ def clip_grad_norm_(
     ``process_group`` (torchclip only): the parameters are this rank's shard; every rank gets the
     global norm and clips with the same coefficient, at the cost of one all_gather of one scalar.
     """
-    eager = process_group is None and not _is_dynamo_compiling()
+    eager = process_group is None and not _ops.dynamo_is_tracing()
     if eager:
         total_norm = _ops.clip_grad_norm_of_plain(parameters, max_norm, norm_type, error_if_nonfinite)
         if total_norm is not None:
@@ -327,7 +323,7 @@ def clip_grad_value_(
     Drop-in for :func:`torch.nn.utils.clip_grad_value_`, in one read-write pass on CPU (torch makes two).
     Parameters without gradients are skipped; if none has one, nothing happens.
     """
-    if not _is_dynamo_compiling() and _ops.clip_grad_value_of_plain(parameters, clip_value):
+    if not _ops.dynamo_is_tracing() and _ops.clip_grad_value_of_plain(parameters, clip_value):
         return None
     parameters = _as_list(parameters)
     clip_value = _as_number("clip_value", clip_value)
