@@ -279,14 +279,15 @@ struct WalkOutput {
 };
 
 // The items of a fast-path call: a list or tuple as it is, or one tensor; nothing for any other
-// iterable (a generator: the Python path drains it into a list, and warns when it is empty).
+// iterable (a generator: the Python path drains it into a list, and warns when it is empty), nor for
+// a subclass of list or tuple, whose iteration (what torch reads) may differ from its storage.
 struct Items {
   PyObject* const* elements;
   Py_ssize_t count;
 };
 
 std::optional<Items> items_of(PyObject* const& object) {
-  if (PyList_Check(object) || PyTuple_Check(object)) {
+  if (PyList_CheckExact(object) || PyTuple_CheckExact(object)) {
     return Items{PySequence_Fast_ITEMS(object), PySequence_Fast_GET_SIZE(object)};
   }
   if (THPVariable_Check(object)) {

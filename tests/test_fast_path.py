@@ -268,3 +268,19 @@ def test_every_argument_form_gives_torchs_result(form):
             assert_close_rel(got.item(), want.item(), 1e-5)
         for p, q in zip(params, expected):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_a_list_subclass_is_read_as_it_iterates():
+    # torch reads its parameters by iterating; a list subclass may iterate over other items than it
+    # stores. The walk reads exact lists and tuples only, so this one is iterated, as torch does.
+    class EveryOther(list):
+        def __iter__(self):
+            return iter(list.__getitem__(self, slice(None, None, 2)))
+
+    params = make_params([((6,), torch.float32) for _ in range(6)], seed=12, scale=10.0)
+    theirs = clone_params(params)
+    torchclip.clip_grad_value_(EveryOther(params), 1.0)
+    torch.nn.utils.clip_grad_value_(EveryOther(theirs), 1.0)
+    for p, q in zip(params, theirs):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    assert not torch.equal(params[1].grad, params[1].grad.clamp(-1, 1))  # (left alone by both)
