@@ -621,7 +621,6 @@ py::object wrap(at::Tensor tensor) {
   return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(tensor)));
 }
 
-// get_total_norm: the total norm, or None when the general path must serve these tensors.
 // Python's truth of a flag, as torch's `if error_if_nonfinite and ...` takes it.
 bool truth(const py::handle& flag) {
   const int is_true = PyObject_IsTrue(flag.ptr());

@@ -246,23 +246,25 @@ ARGUMENT_FORMS = {
 }
 
 
+def grads_in_form(params):
+    """The gradients of `params` in the form `params` has: one tensor, a tuple or a list."""
+    if isinstance(params, torch.Tensor):
+        return params.grad
+    return type(params)(p.grad for p in params)
+
+
 @pytest.mark.parametrize("form", ARGUMENT_FORMS)
 def test_every_argument_form_gives_torchs_result(form):
-    for ours, theirs in [
-        (lambda ps, x: torchclip.clip_grad_value_(ps, x), lambda ps, x: torch.nn.utils.clip_grad_value_(ps, x)),
-        (lambda ps, x: torchclip.clip_grad_norm_(ps, x, error_if_nonfinite=1),
-         lambda ps, x: torch.nn.utils.clip_grad_norm_(ps, x, error_if_nonfinite=1)),
-        (lambda ps, x: torchclip.get_total_norm([p.grad for p in ps] if isinstance(ps, list) else
-                                                ps.grad if isinstance(ps, torch.Tensor) else
-                                                tuple(p.grad for p in ps), 2 * x),
-         lambda ps, x: torch.nn.utils.get_total_norm([p.grad for p in ps] if isinstance(ps, list) else
-                                                     ps.grad if isinstance(ps, torch.Tensor) else
-                                                     tuple(p.grad for p in ps), 2 * x)),
-    ]:
+    calls = [
+        (torchclip.clip_grad_value_, torch.nn.utils.clip_grad_value_, lambda ps, x: (ps, x)),
+        (torchclip.clip_grad_norm_, torch.nn.utils.clip_grad_norm_, lambda ps, x: (ps, x, 2.0, 1)),
+        (torchclip.get_total_norm, torch.nn.utils.get_total_norm, lambda ps, x: (grads_in_form(ps), 2 * x)),
+    ]
+    for ours, theirs, arguments in calls:
         params = make_params(SPECS, seed=11, scale=10.0)
         expected = clone_params(params)
-        got = ours(*ARGUMENT_FORMS[form](params))
-        want = theirs(*ARGUMENT_FORMS[form](expected))
+        got = ours(*arguments(*ARGUMENT_FORMS[form](params)))
+        want = theirs(*arguments(*ARGUMENT_FORMS[form](expected)))
         if want is not None:
             assert got.dtype == want.dtype and got.shape == want.shape
             assert_close_rel(got.item(), want.item(), 1e-5)

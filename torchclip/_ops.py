@@ -210,13 +210,14 @@ def kernels_serve(tensors: Sequence[torch.Tensor], devices: Sequence[str] = KERN
 # the dispatcher. Each returns None (False for the clamp) when some item is not a plain strided tensor
 # on one CPU or (when built) CUDA device, or a dispatch mode is active; the caller then takes the
 # general path. Dynamo cannot trace them: under torch.compile the callers use the op wrappers above.
-# The fast paths' gate: under torch.compile dynamo reads this as True and traces the Python paths
-# instead. The other tracers (make_fx, non-strict export) run with dispatch modes or fake tensors, which
-# the walk refuses. (torch.compiler.is_compiling() would also ask torch.jit.is_scripting(): one more
-# Python call, cold after a training step's other work.)
-dynamo_is_tracing = torch.compiler.is_dynamo_compiling
 total_norm_of_plain = _C.total_norm_of_plain
 clip_grad_norm_of_plain = _C.clip_grad_norm_of_plain
 clip_by_tensor_norm_of_plain = _C.clip_by_tensor_norm_of_plain
 clamp_grads_of_plain = _C.clamp_grads_of_plain
 clip_grad_value_of_plain = _C.clip_grad_value_of_plain
+
+# The fast paths' gate: under torch.compile dynamo reads this as True and traces the Python paths
+# instead. The other tracers (make_fx, non-strict export) run with dispatch modes or fake tensors, which
+# the walk refuses. (torch.compiler.is_compiling() would also ask torch.jit.is_scripting(): one more
+# Python call, cold after a training step's other work.)
+dynamo_is_tracing = torch.compiler.is_dynamo_compiling
