@@ -101,8 +101,9 @@ inline void check_finite_total(double total, double norm_type, bool error_if_non
 inline void check_clampable(at::TensorList tensors, const std::vector<int64_t>& aten_path, const char* op) {
   check_writable(tensors, aten_path, op);
   for (int64_t i : aten_path) {
-    TORCH_CHECK(!tensors[i].is_complex(), op, ": tensors[", i, "] has dtype ", tensors[i].scalar_type(),
-        "; clamping is not defined for complex numbers");
+    // (NotImplementedError, a RuntimeError, as torch's clamp raises for complex tensors)
+    TORCH_CHECK_NOT_IMPLEMENTED(!tensors[i].is_complex(), op, ": tensors[", i, "] has dtype ",
+        tensors[i].scalar_type(), "; clamping is not defined for complex numbers");
     TORCH_CHECK(tensors[i].scalar_type() != at::kBool, op, ": tensors[", i, "] has dtype bool; clamping "
         "needs a numeric dtype");
   }
