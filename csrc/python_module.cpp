@@ -440,8 +440,8 @@ class PlainTensors {
   // whose need_clip attribute is False are left out. Returns false (the caller takes the general
   // path) unless the call is eligible(), every item is a plain torch.Tensor / nn.Parameter (a subclass
   // may give .grad another meaning), and every gathered tensor is a strided tensor on one CPU or CUDA
-  // device (CUDA when its kernels were built) without a Python dispatch key (no subclass, fake or
-  // functional tensor), not an inference tensor, not requiring grad while grad mode is on (the
+  // device (CUDA when its kernels were built) without a wrapper's key (kWrapperKeys: no subclass, fake
+  // or functional tensor), not an inference tensor, not requiring grad while grad mode is on (the
   // dispatcher's path raises there), and, for a gradient, of its parameter's shape (the Python path
   // raises, naming both shapes).
   bool collect(py::handle items, bool take_grad, bool honor_need_clip) {

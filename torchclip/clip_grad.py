@@ -52,9 +52,9 @@ _torch_clip_grad_value_ = _torch_clip_grad.clip_grad_value_
 
 
 def _as_list(tensors: _tensor_or_tensors) -> Sequence[Tensor]:
-    """A single tensor as a list; a list or tuple as it is (only ever read: copying 10,000 references
-    and freeing the copy took a value clip of 10,000 x 100 from 0.54 to 0.66 ms, warm); any other
-    iterable drained into a list."""
+    """For the general paths: a single tensor as a list; a list or tuple as it is (only ever read);
+    any other iterable, a list or tuple subclass included, drained into a list. (The fast path reads
+    its arguments as given: csrc/python_module.cpp, items_of.)"""
     if isinstance(tensors, Tensor):
         return [tensors]
     return tensors if type(tensors) in (list, tuple) else list(tensors)
