@@ -302,3 +302,109 @@ def test_nonfinite_raise_and_propagate():
     assert (model.bias.grad == 0).all()  # scaled by 0.1 / inf
     with pytest.raises(ValueError, match="nonfinite must be one of"):
         ClipGradByGlobalNorm(0.1, nonfinite="ignore")
+
+
+# ---- step(closure): the closure makes the gradients, so the clip comes after it ----------------
+
+CLOSURE_CLIPS = [
+    lambda: ClipGradByValue(0.01),
+    lambda: ClipGradByNorm(0.05),
+    lambda: ClipGradByGlobalNorm(0.1),
+    lambda: torchclip.GradientClipByGlobalNorm(0.1, need_clip=lambda p: p.dim() > 1),
+]
+
+
+def closure_for(model, optimizer, batches, clip_by_hand=None):
+    """The closure a training loop (or Lightning) passes to step(): zero_grad, forward, backward; the
+    reference run clips by hand at its end, which is where the hook must clip."""
+    tokens, targets = batches
+
+    def closure():
+        optimizer.zero_grad()
+        loss = loss_of(model, tokens, targets)
+        loss.backward()
+        if clip_by_hand is not None:
+            clip_by_hand(list(model.parameters()))
+        return loss
+
+    return closure
+
+
+@pytest.mark.parametrize("make_clip", CLOSURE_CLIPS, ids=["value", "norm", "global_norm", "legacy_need_clip"])
+@pytest.mark.parametrize("optimizer_class", [torch.optim.SGD, torch.optim.Adam, torch.optim.LBFGS],
+                         ids=lambda c: c.__name__)
+@pytest.mark.parametrize("closure_as_keyword", [False, True])
+def test_step_with_a_closure_clips_what_the_closure_made(make_clip, optimizer_class, closure_as_keyword):
+    by_hook, by_hand, unclipped = tiny_transformer(), tiny_transformer(), tiny_transformer()
+    kwargs = {"lr": 0.5, "max_iter": 3} if optimizer_class is torch.optim.LBFGS else {"lr": 0.05}
+    hook_opt = torchclip.optim.with_grad_clip(optimizer_class)(by_hook.parameters(), grad_clip=make_clip(), **kwargs)
+    hand_opt = optimizer_class(by_hand.parameters(), **kwargs)
+    plain_opt = optimizer_class(unclipped.parameters(), **kwargs)
+    hand_clip = make_clip()
+    for batch in synthetic_batches(3):
+        hook_closure = closure_for(by_hook, hook_opt, batch)
+        hook_loss = hook_opt.step(closure=hook_closure) if closure_as_keyword else hook_opt.step(hook_closure)
+        hand_loss = hand_opt.step(closure_for(by_hand, hand_opt, batch, clip_by_hand=hand_clip))
+        plain_opt.step(closure_for(unclipped, plain_opt, batch))
+        assert torch.equal(hook_loss, hand_loss)  # the closure's loss comes back
+    for p, q in zip(by_hook.parameters(), by_hand.parameters()):
+        assert torch.equal(p, q)
+    assert any(not torch.equal(p, q) for p, q in zip(by_hook.parameters(), unclipped.parameters()))
+
+
+def test_step_with_a_closure_reports_the_norm_it_clipped():
+    model = torch.nn.Linear(4, 1)
+    clip = ClipGradByGlobalNorm(0.5)
+    optimizer = torchclip.optim.SGD(model.parameters(), lr=0.1, grad_clip=clip)
+    inputs, targets = torch.randn(8, 4), torch.randn(8, 1) * 10
+
+    def closure():
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    assert clip.last_global_norm is not None and float(clip.last_global_norm) > 0.5
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
+    torch.testing.assert_close(total, torch.tensor(0.5), rtol=1e-6, atol=0)  # what the update used
+
+
+@pytest.mark.parametrize("clip", [ClipGradByGlobalNorm(0.1, nonfinite="skip"), ClipGradByNorm(0.1, nonfinite="skip")])
+def test_step_with_a_nonfinite_closure_is_skipped_and_returns_its_loss(clip):
+    model = torch.nn.Linear(4, 2)
+    optimizer = torchclip.optim.Adam(model.parameters(), lr=0.1, grad_clip=clip)
+    weights = [p.detach().clone() for p in model.parameters()]
+    calls = []
+
+    def closure():
+        calls.append(1)
+        optimizer.zero_grad()
+        loss = model(torch.randn(3, 4)).sum()
+        loss.backward()
+        model.bias.grad[0] = float("nan")
+        return loss
+
+    loss = optimizer.step(closure)
+    assert len(calls) == 1 and loss is not None and loss.requires_grad
+    assert optimizer.grad_clip_attachment.skipped_steps == 1 and bool(clip.found_nonfinite)
+    assert optimizer.state == {}  # Adam never ran
+    for p, w in zip(model.parameters(), weights):
+        assert torch.equal(p.detach(), w)
+
+
+def test_removed_hook_passes_the_closure_through():
+    model = torch.nn.Linear(4, 2)
+    optimizer = torchclip.optim.SGD(model.parameters(), lr=0.1, grad_clip=ClipGradByValue(1e-6))
+    optimizer.grad_clip_attachment.remove()
+    calls = []
+
+    def closure():
+        calls.append(1)
+        optimizer.zero_grad()
+        loss = model(torch.ones(1, 4)).sum()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    assert len(calls) == 1 and float(model.bias.grad.abs().max()) == 1.0  # ran once, not clipped

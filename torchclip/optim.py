@@ -5,10 +5,12 @@
     handle = torchclip.optim.attach(existing_optimizer, clip)                        # any instance
 
 The clip runs when optimizer.step() is called, before the update, so it sees what the update will
-use: with torch.amp.GradScaler the gradients are already unscaled there (GradScaler.step unscales
+use: with step(closure) it runs after the closure has made the gradients (LBFGS: after every
+evaluation), and with torch.amp.GradScaler the gradients are already unscaled there (GradScaler.step unscales
 first) and a step GradScaler skips for inf/NaN is not clipped either. A clip built with
 nonfinite="skip" that meets a NaN/inf norm leaves the gradients alone and the step is skipped
-(counted in the handle's skipped_steps). (Fused optimizers that unscale inside their own kernel, fused=True,
+(counted in the handle's skipped_steps; with a closure, its first evaluation decides, and the step
+returns its loss). (Fused optimizers that unscale inside their own kernel, fused=True,
 need scaler.unscale_(optimizer) before scaler.step for the clip to see unscaled values.)
 
 Which clip a parameter gets: its param group's 'grad_clip' (Paddle's per-group setting), else the
@@ -96,10 +98,37 @@ class _Attachment:
 
         @functools.wraps(original_step)
         def step(optimizer, *args, **kwargs):
-            if attachment._active and not _clip_before_step(optimizer, attachment.clip):
+            if not attachment._active:
+                return original_step(*args, **kwargs)
+            closure = args[0] if args else kwargs.get("closure")
+            if closure is None:
+                if not _clip_before_step(optimizer, attachment.clip):
+                    attachment.skipped_steps += 1
+                    return None
+                return original_step(*args, **kwargs)
+            # step(closure): the closure makes the gradients, so the clip must come after it and before
+            # the update (Lightning always steps this way). Its first evaluation runs here, so that a
+            # "skip" clip can still refuse the step; the step then gets that evaluation back, and any
+            # later one (LBFGS re-evaluates) is clipped as it comes.
+            with torch.enable_grad():  # as torch's optimizers call a closure
+                loss = closure()
+            if not _clip_before_step(optimizer, attachment.clip):
                 attachment.skipped_steps += 1
-                return None
-            return original_step(*args, **kwargs)
+                return loss
+            evaluations = 0
+
+            def clipped_closure():
+                nonlocal evaluations
+                evaluations += 1
+                if evaluations == 1:
+                    return loss
+                again = closure()
+                _clip_before_step(optimizer, attachment.clip)  # (too late to skip: the step is under way)
+                return again
+
+            if args:
+                return original_step(clipped_closure, *args[1:], **kwargs)
+            return original_step(**{**kwargs, "closure": clipped_closure})
 
         # A bound method, as torch's LR schedulers expect (they re-wrap optimizer.step.__func__).
         optimizer.step = types.MethodType(step, optimizer)
