@@ -745,6 +745,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("load_cpu_kernels", &torchclip::load_cpu_kernels, py::arg("path"),
       "Load a per-ISA CPU kernel library and use it for every CPU op from now on.");
   m.def("loaded_cpu_capability", &torchclip::loaded_cpu_capability);
+  m.def("cpu_runs", &torchclip::cpu_runs, py::arg("capability"),
+      "Whether this CPU has every instruction set of the kernel library for `capability`");
   m.def("total_norm_of_plain", &total_norm_of_plain, py::arg("tensors"), py::arg("norm_type"),
       py::arg("error_if_nonfinite"));
   m.def("clip_grad_norm_of_plain", &clip_grad_norm_of_plain, py::arg("parameters"), py::arg("max_norm"),

@@ -39,17 +39,6 @@ if _C.cuda_built():
 _CAPABILITY_ORDER = ("DEFAULT", "AVX2", "AVX512")
 
 
-def _cpu_supports(capability: str) -> bool:
-    if capability == "DEFAULT":
-        return True
-    if capability == "AVX2":
-        return torch.cpu._is_avx2_supported()
-    if capability == "AVX512":
-        # torch's AVX512 capability also needs VL/BW/DQ; _is_avx512_supported checks the same set.
-        return torch.cpu._is_avx512_supported()
-    return False
-
-
 def _kernel_library_path(capability: str) -> str:
     pattern = os.path.join(os.path.dirname(__file__), f"_cpu_{capability.lower()}.*")
     matches = [p for p in glob.glob(pattern) if p.endswith((".so", ".pyd", ".dylib"))]
@@ -60,7 +49,7 @@ def _kernel_library_path(capability: str) -> str:
 
 def cpu_capabilities() -> list[str]:
     """The CPU kernel libraries that were built and that this CPU can run, weakest first."""
-    return [c for c in _C.cpu_capabilities_built() if _cpu_supports(c)]
+    return [c for c in _C.cpu_capabilities_built() if _C.cpu_runs(c)]
 
 
 def set_cpu_capability(capability: str) -> str:
@@ -76,7 +65,7 @@ def set_cpu_capability(capability: str) -> str:
         raise ValueError(
             f"set_cpu_capability: no {name} kernel library was built (built: {_C.cpu_capabilities_built()})"
         )
-    if not _cpu_supports(name):
+    if not _C.cpu_runs(name):
         raise ValueError(f"set_cpu_capability: this CPU cannot run {name} code")
     return _C.load_cpu_kernels(_kernel_library_path(name))
 

@@ -1,9 +1,13 @@
 #include "kernel_loader.h"
 
+#include <ATen/cpu/Utils.h>
 #include <c10/util/Exception.h>
 #include <dlfcn.h>
 
 #include <atomic>
+#include <string>
+#include <unordered_map>
+#include <vector>
 
 namespace torchclip {
 namespace {
@@ -11,6 +15,28 @@ namespace {
 // another thread keeps valid code under it.
 std::atomic<const cpu::KernelTable*> active_table{nullptr};
 }  // namespace
+
+bool cpu_runs(const std::string& capability) {
+  // cpuinfo's names for what each library's flags enable. torch's own AVX512 test asks for avx512_f
+  // alone, but our AVX512 library is built with BW/VL/DQ too (absent on Knights Landing).
+  static const std::unordered_map<std::string, std::vector<std::string>> needs = {
+      {"DEFAULT", {}},
+      {"AVX2", {"avx2", "fma3", "f16c"}},
+      {"AVX512", {"avx512_f", "avx512_bw", "avx512_vl", "avx512_dq", "avx2", "fma3", "f16c"}},
+  };
+  const auto wanted = needs.find(capability);
+  if (wanted == needs.end()) {
+    return false;
+  }
+  const auto features = at::cpu::get_cpu_capabilities();
+  for (const std::string& feature : wanted->second) {
+    const auto found = features.find(feature);
+    if (found == features.end() || !found->second.isBool() || !found->second.toBool()) {
+      return false;
+    }
+  }
+  return true;
+}
 
 std::string load_cpu_kernels(const std::string& path) {
   void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
@@ -24,6 +50,8 @@ std::string load_cpu_kernels(const std::string& path) {
   TORCH_CHECK(table->abi_version == cpu::kKernelAbiVersion, "torchclip: the CPU kernel library '", path,
       "' has kernel ABI version ", table->abi_version, " but this build expects ", cpu::kKernelAbiVersion,
       ". Rebuild torchclip: pip install --no-build-isolation -e .");
+  TORCH_CHECK(cpu_runs(table->capability), "torchclip: this CPU cannot run the ", table->capability,
+      " kernel library '", path, "'; load one for an instruction set it has");
   active_table.store(table);
   return table->capability;
 }

@@ -7,8 +7,12 @@
 
 namespace torchclip {
 
+// Whether this CPU has every instruction set the kernel library for `capability` ("DEFAULT", "AVX2",
+// "AVX512") is compiled with (the ISA flags in setup.py and CMakeLists.txt); false for an unknown name.
+bool cpu_runs(const std::string& capability);
+
 // dlopen()s `path` (RTLD_LOCAL: nothing it holds can interpose on other libraries), checks its ABI
-// version, and makes it the table every CPU op uses from now on. Returns the library's capability
+// version and that this CPU runs its instruction set (an error, not SIGILL), and makes it the table every CPU op uses from now on. Returns the library's capability
 // name. Safe to call again to switch instruction sets (the tests do, to run every compiled path).
 std::string load_cpu_kernels(const std::string& path);
 
