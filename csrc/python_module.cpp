@@ -279,8 +279,8 @@ struct WalkOutput {
 };
 
 // The items of a fast-path call: a list or tuple as it is, or one tensor; nothing for any other
-// iterable (a generator: the Python path drains it into a list, and warns when it is empty), nor for
-// a subclass of list or tuple, whose iteration (what torch reads) may differ from its storage.
+// iterable, a subclass of list or tuple included, whose iteration (what torch reads) may differ from
+// its storage (the drop-ins drain those into a list first: clip_grad.py, _readable).
 struct Items {
   PyObject* const* elements;
   Py_ssize_t count;
@@ -633,8 +633,8 @@ bool truth(const py::handle& flag) {
 // The entry points take the drop-ins' arguments as the caller passed them, so that the drop-ins
 // call here first thing: a Python-side conversion (a list, a float) cost 10-20 us of a 0.5 ms call
 // on 10,000 parameters, its code and objects cold after the step's other work (a diagnostic, not a
-// claim). Numbers other than a float or an int, and iterables other than a list, a tuple or a tensor,
-// are left to the Python path, which converts them or names them in its error.
+// claim). Numbers other than a float or an int are left to the Python path, which converts them or
+// names them in its error; other iterables than a list, a tuple or a tensor arrive drained into a list.
 
 // get_total_norm: the total norm, or None when the general path must serve these tensors.
 py::object total_norm_of_plain(py::handle tensors, py::handle norm_type_arg, py::handle error_if_nonfinite) {

@@ -286,3 +286,43 @@ def test_a_list_subclass_is_read_as_it_iterates():
     for p, q in zip(params, theirs):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
     assert not torch.equal(params[1].grad, params[1].grad.clamp(-1, 1))  # (left alone by both)
+
+
+FAST_PATH_ENTRIES = {  # drop-in -> its fast-path entry in _ops, and a call of it with an iterable of parameters
+    "clip_grad_norm_": ("clip_grad_norm_of_plain", lambda clip, items: clip.clip_grad_norm_(items, 0.1)),
+    "clip_grad_value_": ("clip_grad_value_of_plain", lambda clip, items: clip.clip_grad_value_(items, 0.1)),
+    "get_total_norm": ("total_norm_of_plain", lambda clip, items: clip.get_total_norm(p.grad for p in items)),
+}
+
+
+@pytest.mark.parametrize("drop_in", FAST_PATH_ENTRIES)
+def test_a_generator_takes_the_fast_path_and_is_read_once(drop_in, monkeypatch):
+    # Lightning, timm and accelerate pass model.parameters(): a generator, drained once into a list
+    # that the walk reads (before, generators took the general path).
+    entry, call = FAST_PATH_ENTRIES[drop_in]
+    walked = []
+    original = getattr(torchclip._ops, entry)
+
+    def spy(items, *args, **kwargs):
+        result = original(items, *args, **kwargs)
+        walked.append((type(items), result is not None and result is not False))
+        return result
+
+    monkeypatch.setattr(torchclip._ops, entry, spy)
+    params = make_params(SPECS[:3], seed=13, scale=10.0)  # (no bfloat16: torch sums it less exactly)
+    expected = clone_params(params)
+    reads = []
+
+    def yielding_once(items):
+        for p in items:
+            reads.append(p)
+            yield p
+
+    got = call(torchclip, yielding_once(params))
+    assert walked == [(list, True)]  # one call, on a list, served
+    assert len(reads) == len(params)  # the generator was read once
+    want = call(torch.nn.utils, iter(expected))
+    if want is not None:
+        assert_close_rel(got.item(), want.item(), 1e-5)
+    for p, q in zip(params, expected):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)

@@ -51,13 +51,18 @@ _torch_clip_grads_with_norm_ = _torch_clip_grad._clip_grads_with_norm_
 _torch_clip_grad_value_ = _torch_clip_grad.clip_grad_value_
 
 
+def _readable(tensors: _tensor_or_tensors) -> Tensor | Sequence[Tensor]:
+    """What the fast path reads (csrc/python_module.cpp, items_of): a list, a tuple or one tensor as it
+    is; any other iterable (model.parameters(), a generator, as Lightning, timm and accelerate pass it;
+    a list or tuple subclass) drained once into a list, so no path reads it twice."""
+    if type(tensors) is list or type(tensors) is tuple or isinstance(tensors, Tensor):
+        return tensors
+    return list(tensors)
+
+
 def _as_list(tensors: _tensor_or_tensors) -> Sequence[Tensor]:
-    """For the general paths: a single tensor as a list; a list or tuple as it is (only ever read);
-    any other iterable, a list or tuple subclass included, drained into a list. (The fast path reads
-    its arguments as given: csrc/python_module.cpp, items_of.)"""
-    if isinstance(tensors, Tensor):
-        return [tensors]
-    return tensors if type(tensors) in (list, tuple) else list(tensors)
+    """For the general paths: _readable, with a single tensor as a list."""
+    return [tensors] if isinstance(tensors, Tensor) else _readable(tensors)
 
 
 class NotATensorError(TypeError, AttributeError):
@@ -94,7 +99,8 @@ def _grads(parameters: list) -> list[Tensor]:
     return grads
 
 
-# The public functions try the C++ fast path first thing, with their arguments as given, and leave to
+# The public functions try the C++ fast path first thing, with their arguments as given (an iterable
+# other than a list or tuple drained into one first: _readable), and leave to
 # a no_grad() function what it does not serve: the fast path serves only tensors autograd does not
 # track (it steps aside for the rest, see csrc/python_module.cpp), so grad mode changes nothing there.
 # Each Python step before it (entering no_grad(), converting the list and the numbers, asking
@@ -120,6 +126,7 @@ def get_total_norm(
     ``process_group`` (torchclip only): the tensors are this rank's shard of the group's; the result
     is the norm of all of them, the same on every rank (see torchclip.distributed).
     """
+    tensors = _readable(tensors)
     if process_group is None and not _ops.dynamo_is_tracing():
         total_norm = _ops.total_norm_of_plain(tensors, norm_type, error_if_nonfinite)
         if total_norm is not None:
@@ -250,19 +257,17 @@ def clip_grad_norm_(
     ``process_group`` (torchclip only): the parameters are this rank's shard; every rank gets the
     global norm and clips with the same coefficient, at the cost of one all_gather of one scalar.
     """
+    given = parameters
+    parameters = _readable(parameters)
     eager = process_group is None and not _ops.dynamo_is_tracing()
     if eager:
         total_norm = _ops.clip_grad_norm_of_plain(parameters, max_norm, norm_type, error_if_nonfinite)
         if total_norm is not None:
             return total_norm
-    if isinstance(parameters, Tensor):
-        parameters = [parameters]
-    else:
-        is_generator = isinstance(parameters, types.GeneratorType)
-        parameters = _as_list(parameters)
-        if is_generator and len(parameters) == 0:
-            # The caller's line, as torch's warning names it.
-            warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=2)
+    parameters = _as_list(parameters)
+    if not parameters and isinstance(given, types.GeneratorType):
+        # The caller's line, as torch's warning names it.
+        warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=2)
     if eager:  # bad numbers raise here, before any path reads a gradient
         _as_number("max_norm", max_norm)
         _as_number("norm_type", norm_type)
@@ -323,6 +328,7 @@ def clip_grad_value_(
     Drop-in for :func:`torch.nn.utils.clip_grad_value_`, in one read-write pass on CPU (torch makes two).
     Parameters without gradients are skipped; if none has one, nothing happens.
     """
+    parameters = _readable(parameters)
     if not _ops.dynamo_is_tracing() and _ops.clip_grad_value_of_plain(parameters, clip_value):
         return None
     parameters = _as_list(parameters)
