@@ -56,6 +56,44 @@ def test_separate_gradients_run_and_are_named_in_the_header(tmp_path):
     assert json.loads(out.read_text())["grads"] == "separate"
 
 
+def test_generator_parameters_run_and_are_named_in_the_header(tmp_path):
+    out = tmp_path / "rows.json"
+    result = subprocess.run([sys.executable, "-m", "torchclip.bench", "--quick", "--workload", "mobilenet_v3_small",
+                             "--rounds", "2", "--params", "generator", "--json", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "parameters passed as a generator" in result.stdout.splitlines()[0]
+    assert json.loads(out.read_text())["params"] == "generator"
+
+
+@pytest.mark.parametrize("op", bench.OPS)
+def test_generator_candidates_clip_what_list_candidates_clip(op):
+    # Each candidate, handed generators, does to the gradients (and returns) what it does handed the list.
+    results = []
+    for as_generators in (False, True):
+        g = bench.Grads([[30, 4], [50], [7, 7]], torch.float32)
+        c = bench.candidates_for(op, g, as_generators)
+        outputs = []
+        for fn in (c.torch, c.torch_no_foreach, c.torchclip):
+            g.reset()
+            if c.prepare is not None:
+                c.prepare()
+            returned = fn()
+            outputs.append((g.flat.clone(), returned if isinstance(returned, torch.Tensor) else None))
+        results.append(outputs)
+    for (listed, listed_norm), (generated, generated_norm) in zip(*results):
+        torch.testing.assert_close(generated, listed, rtol=0, atol=0)
+        torch.testing.assert_close(generated_norm, listed_norm, rtol=0, atol=0)
+        assert listed_norm is None or listed_norm > 0  # (a spent generator would give a norm of 0)
+
+
+def test_plot_without_matplotlib_is_a_one_line_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--plot", "out.png"])
+    assert "--plot needs matplotlib: pip install torchclip[bench]" in capsys.readouterr().err
+
+
 def test_model_workload_is_built_on_the_meta_device():
     label, shapes = workloads.resolve("model:torch.nn:Transformer")
     assert label == "Transformer" and len(shapes) > 100

@@ -16,6 +16,8 @@ Method (the numbers are only worth what the method is):
 * --device cuda times the same rows on the GPU: each call is bracketed by torch.cuda.synchronize(), so
   a row is the time until the device has finished, and the bound is the device's own memory speed
   (the same single ops on the flat buffer in device memory).
+* --params generator hands every candidate a fresh generator over the parameters (gradients for
+  get_total_norm), as training loops pass model.parameters(), instead of the list (the default).
 * "clip" rows scale every gradient on every call: each call's max_norm is 0.9 x the gradients' norm
   at that moment (measured untimed), so every candidate always writes, in every dtype, and the
   values never drift towards denormals (ClipTarget).
@@ -24,6 +26,7 @@ Method (the numbers are only worth what the method is):
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -173,58 +176,72 @@ class ClipTarget:
         return self.max_norm
 
 
-def candidates_for(op, g: Grads) -> Candidates:
-    flat, params, grads = g.flat, g.params, g.grads
+def candidates_for(op, g: Grads, as_generators=False) -> Candidates:
+    flat = g.flat
+    if as_generators:  # a new one per call: a generator is spent once read
+        def params():
+            return (p for p in g.params)
+
+        def grads():
+            return (t for t in g.grads)
+    else:
+        def params():
+            return g.params
+
+        def grads():
+            return g.grads
     norm_bound = lambda: flat.sum()  # noqa: E731
     norm_scale_bound = lambda: (flat.sum(), flat.mul_(1.0))  # noqa: E731
     if op == "clip_grad_norm_ (no clip)":
-        return Candidates(lambda: torch.nn.utils.clip_grad_norm_(params, 1e30),
-                          lambda: torch.nn.utils.clip_grad_norm_(params, 1e30, foreach=False),
-                          lambda: torchclip.clip_grad_norm_(params, 1e30), norm_bound, 1)
+        return Candidates(lambda: torch.nn.utils.clip_grad_norm_(params(), 1e30),
+                          lambda: torch.nn.utils.clip_grad_norm_(params(), 1e30, foreach=False),
+                          lambda: torchclip.clip_grad_norm_(params(), 1e30), norm_bound, 1)
     if op == "clip_grad_norm_ (clip)":
-        max_norm = ClipTarget(grads)
-        return Candidates(lambda: torch.nn.utils.clip_grad_norm_(params, max_norm()),
-                          lambda: torch.nn.utils.clip_grad_norm_(params, max_norm(), foreach=False),
-                          lambda: torchclip.clip_grad_norm_(params, max_norm()), norm_scale_bound, 3,
+        max_norm = ClipTarget(g.grads)
+        return Candidates(lambda: torch.nn.utils.clip_grad_norm_(params(), max_norm()),
+                          lambda: torch.nn.utils.clip_grad_norm_(params(), max_norm(), foreach=False),
+                          lambda: torchclip.clip_grad_norm_(params(), max_norm()), norm_scale_bound, 3,
                           max_norm.prepare)
     if op == "get_total_norm":
-        return Candidates(lambda: torch.nn.utils.get_total_norm(grads),
-                          lambda: torch.nn.utils.get_total_norm(grads, foreach=False),
-                          lambda: torchclip.get_total_norm(grads), norm_bound, 1)
+        return Candidates(lambda: torch.nn.utils.get_total_norm(grads()),
+                          lambda: torch.nn.utils.get_total_norm(grads(), foreach=False),
+                          lambda: torchclip.get_total_norm(grads()), norm_bound, 1)
     if op == "clip_grad_value_":
-        return Candidates(lambda: torch.nn.utils.clip_grad_value_(params, 0.5),
-                          lambda: torch.nn.utils.clip_grad_value_(params, 0.5, foreach=False),
-                          lambda: torchclip.clip_grad_value_(params, 0.5), lambda: flat.clamp_(-0.5, 0.5), 2)
+        return Candidates(lambda: torch.nn.utils.clip_grad_value_(params(), 0.5),
+                          lambda: torch.nn.utils.clip_grad_value_(params(), 0.5, foreach=False),
+                          lambda: torchclip.clip_grad_value_(params(), 0.5), lambda: flat.clamp_(-0.5, 0.5), 2)
     if op == "ClipGradByGlobalNorm (clip)":
         # torch has no class: its equivalent is clip_grad_norm_ (the formulas differ only by eps).
-        max_norm = ClipTarget(grads)
+        max_norm = ClipTarget(g.grads)
         clip = torchclip.ClipGradByGlobalNorm(1.0)
 
         def paddle_style():
             clip.clip_norm = max_norm()
-            clip(params)
+            clip(params())
 
-        return Candidates(lambda: torch.nn.utils.clip_grad_norm_(params, max_norm()),
-                          lambda: torch.nn.utils.clip_grad_norm_(params, max_norm(), foreach=False),
+        return Candidates(lambda: torch.nn.utils.clip_grad_norm_(params(), max_norm()),
+                          lambda: torch.nn.utils.clip_grad_norm_(params(), max_norm(), foreach=False),
                           paddle_style, norm_scale_bound, 3, max_norm.prepare)
     if op == "ClipGradByNorm":
         # In torch, per-tensor norm clipping is clip_grad_norm_ called once per tensor. The clip norm
         # is the median tensor norm: about half the tensors are clipped on the first call.
-        norms = sorted(torchclip.get_total_norm(g).item() for g in grads)
+        norms = sorted(torchclip.get_total_norm(t).item() for t in g.grads)
         clip_norm = norms[len(norms) // 2] or 1.0
         clip = torchclip.ClipGradByNorm(clip_norm)
-        return Candidates(lambda: [torch.nn.utils.clip_grad_norm_(p, clip_norm) for p in params],
-                          lambda: [torch.nn.utils.clip_grad_norm_(p, clip_norm, foreach=False) for p in params],
-                          lambda: clip(params), norm_bound, 1)
+        return Candidates(lambda: [torch.nn.utils.clip_grad_norm_(p, clip_norm) for p in params()],
+                          lambda: [torch.nn.utils.clip_grad_norm_(p, clip_norm, foreach=False) for p in params()],
+                          lambda: clip(params()), norm_bound, 1)
     if op == "ClipGradByValue":
         clip = torchclip.ClipGradByValue(0.5, -0.25)
-        return Candidates(lambda: (torch._foreach_clamp_min_(grads, -0.25), torch._foreach_clamp_max_(grads, 0.5)),
-                          lambda: [g.clamp_(-0.25, 0.5) for g in grads],
-                          lambda: clip(params), lambda: flat.clamp_(-0.25, 0.5), 2)
+        # What a torch user writes for it works on the list of gradients, however the parameters came.
+        return Candidates(lambda: (torch._foreach_clamp_min_(g.grads, -0.25), torch._foreach_clamp_max_(g.grads, 0.5)),
+                          lambda: [t.clamp_(-0.25, 0.5) for t in g.grads],
+                          lambda: clip(params()), lambda: flat.clamp_(-0.25, 0.5), 2)
     raise ValueError(op)
 
 
-def run(workload_names, dtype_names, thread_counts, ops, rounds, warmup, progress, device="cpu", separate=False):
+def run(workload_names, dtype_names, thread_counts, ops, rounds, warmup, progress, device="cpu", separate=False,
+        as_generators=False):
     rows = []
     sync = torch.cuda.synchronize if device == "cuda" else no_sync
     jobs = [(w, d, t) for w in workload_names for d in dtype_names for t in thread_counts]
@@ -236,7 +253,7 @@ def run(workload_names, dtype_names, thread_counts, ops, rounds, warmup, progres
         for op in ops:
             progress(step, total_steps, f"{label} {dtype_name} threads={threads}: {op}")
             step += 1
-            c = candidates_for(op, g)
+            c = candidates_for(op, g, as_generators)
             timed_fns = [c.torch, c.torch_no_foreach, c.torchclip, c.bound]
             (t_torch, s1), (t_no_foreach, s2), (t_clip, s3), (t_bound, s4) = interleave(
                 timed_fns, rounds, warmup, c.prepare, sync)
@@ -301,6 +318,9 @@ def parse_args(argv):
     parser.add_argument("--grads", choices=["views", "separate"], default="views",
                         help="gradients as views of one flat buffer (default: DDP buckets, FSDP flat parameters) "
                              "or each its own allocation (autograd without DDP)")
+    parser.add_argument("--params", choices=["list", "generator"], default="list",
+                        help="what each call receives: a list of the parameters (default) or a fresh generator "
+                             "over them, as training loops pass model.parameters()")
     parser.add_argument("--quick", action="store_true", help="small workloads, few rounds: seconds, for CI")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--plot", metavar="PATH", help="also draw speed-up and fraction of the bound (PNG)")
@@ -315,6 +335,8 @@ def parse_args(argv):
             raise ValueError
     except ValueError:
         parser.error(f"--threads {args.threads!r}: expected a comma list of positive integers")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # before the run, not after it
+        parser.error("--plot needs matplotlib: pip install torchclip[bench]")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
     if args.device == "cuda" and "cuda" not in torchclip._ops.KERNEL_DEVICES:
@@ -333,12 +355,14 @@ def main(argv=None) -> int:
     names = args.workload or (QUICK_WORKLOADS if args.quick else DEFAULT_WORKLOADS)
     rounds = args.rounds or (5 if args.quick else 15)
     rows = run(names, args.dtype or ["float32"], args.thread_counts, OPS, rounds, warmup=1 if args.quick else 2,
-               progress=make_progress(sys.stderr.isatty()), device=args.device, separate=args.grads == "separate")
+               progress=make_progress(sys.stderr.isatty()), device=args.device, separate=args.grads == "separate",
+               as_generators=args.params == "generator")
     where = (f"GPU: {torch.cuda.get_device_name()}" if args.device == "cuda"
              else f"CPU kernels: {torchclip.get_cpu_capability()}")
     header = (f"torchclip {torchclip.__version__} ({where}), "
               f"torch {torch.__version__}, {os.cpu_count()} CPUs; medians of {rounds} interleaved rounds; "
-              f"gradients: {'separate allocations' if args.grads == 'separate' else 'views of one buffer'}")
+              f"gradients: {'separate allocations' if args.grads == 'separate' else 'views of one buffer'}; "
+              f"parameters passed as a {args.params}")
     table = format_table(rows)
     print(header)
     print(table)
@@ -351,7 +375,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "cpu_capability": torchclip.get_cpu_capability(), "device": args.device,
-                       "grads": args.grads, "rows": [asdict(r) for r in rows]}, f, indent=1)
+                       "grads": args.grads, "params": args.params, "rows": [asdict(r) for r in rows]}, f, indent=1)
     return 0
 
 
