@@ -9,6 +9,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torchclip  # noqa: E402
 from torchclip import _ops  # noqa: E402
 from hypothesis import settings  # noqa: E402
+from testing import KernelSpy  # noqa: E402
 
 # CI runs the same hypothesis examples every time (a red CI then means a change broke something, not
 # that the draw was unlucky); the long fuzz campaign, tests/fuzz.py, draws new cases on every run.
@@ -33,3 +34,9 @@ def _restore_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def kernel_spy(monkeypatch):
+    """Counts the calls into torchclip's kernels (testing.KernelSpy): proof that torchclip ran."""
+    return KernelSpy(monkeypatch)

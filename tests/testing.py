@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import collections
+import functools
 import math
 
 import torch
+
+from torchclip import _ops
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 FAST_NORM_TYPES = [1.0, 2.0, math.inf]
@@ -100,3 +104,42 @@ def assert_norm_close(total: torch.Tensor, reference: float, what: str = "", inp
     if inputs is not None and any(t.dtype != torch.float64 for t in inputs):
         rtol = max(rtol, NORM_RTOL[torch.float32])
     assert_close_rel(total.item(), expected, rtol, what)
+
+
+# ---- proving torchclip ran (conftest.py: the kernel_spy fixture) ----------------------------------
+
+# torchclip's entry points into its kernels: the C++ fast paths (which return None / False when they step
+# aside for the general path) and the general path's ops. Every drop-in and every clip class goes through
+# one of them; they are read as `_ops.NAME` at call time, so a spy there sees every call.
+_FAST_PATHS = ("clip_grad_norm_of_plain", "clip_by_tensor_norm_of_plain", "clamp_grads_of_plain",
+               "clip_grad_value_of_plain", "total_norm_of_plain")
+_GENERAL_OPS = ("clip_grad_norm_tensors_", "clip_by_tensor_norm_", "multi_tensor_clamp_", "multi_tensor_scale_",
+                "multi_tensor_norm")
+_NORM_ONLY = ("total_norm_of_plain", "multi_tensor_norm")  # compute a norm, change no gradient
+
+
+class KernelSpy:
+    """Counts the calls into torchclip's kernels that did the work (a fast path that stepped aside is not
+    counted: the general path's op that took over is)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = collections.Counter()
+        for name in _FAST_PATHS + _GENERAL_OPS:
+            monkeypatch.setattr(_ops, name, self._wrap(name, getattr(_ops, name), name in _FAST_PATHS))
+
+    def _wrap(self, name, function, fast):
+        @functools.wraps(function)
+        def spy(*args, **kwargs):
+            result = function(*args, **kwargs)
+            if not fast or (result is not None and result is not False):
+                self.calls[name] += 1
+            return result
+        return spy
+
+    @property
+    def clips(self) -> int:
+        """Calls that clipped gradients (one per clip_grad_norm_ / clip_grad_value_ / clip object call)."""
+        return sum(n for name, n in self.calls.items() if name not in _NORM_ONLY)
+
+    def reset(self):
+        self.calls.clear()
