@@ -59,10 +59,25 @@ def test_sparse_embedding_training_matches_a_dense_reference(clip):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-def test_torch_itself_cannot_clip_sparse_gradients():
+# torch.nn.utils.clip_grad_norm_ raises NotImplementedError on sparse gradients up to torch 2.13; from 2.14 it
+# clips them, and must then agree with torchclip.
+TORCH_CLIPS_SPARSE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
+
+
+def test_torch_itself_clips_sparse_gradients_only_from_2_14():
     model, _ = embedding_models()
-    model(torch.tensor([[1, 2]])).sum().backward()
-    with pytest.raises(NotImplementedError):
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
-    torchclip.clip_grad_norm_(model.parameters(), 0.1)
+    theirs, _ = embedding_models()
+    for m in (model, theirs):
+        m(torch.tensor([[1, 2]])).sum().backward()
+    if TORCH_CLIPS_SPARSE:
+        expected = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.1)
+    else:
+        with pytest.raises(NotImplementedError):
+            torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.1)
+    total = torchclip.clip_grad_norm_(model.parameters(), 0.1)
     assert torchclip.get_total_norm([p.grad for p in model.parameters()]).item() == pytest.approx(0.1, rel=1e-5)
+    if TORCH_CLIPS_SPARSE:
+        torch.testing.assert_close(total, expected)
+        for p, q in zip(model.parameters(), theirs.parameters()):
+            assert p.grad.is_sparse == q.grad.is_sparse
+            torch.testing.assert_close(p.grad.to_dense(), q.grad.to_dense())
