@@ -173,37 +173,27 @@ def test_lightning_gradient_clip_val_under_patch(algorithm, clip_val, kernel_spy
 
 
 @pytest.mark.integration
-def test_lightning_optimizer_grad_clip_by_value(kernel_spy, tmp_path):
-    """configure_optimizers returns torchclip.optim.SGD(grad_clip=ClipGradByValue(v)): Lightning steps it
-    with a closure (automatic optimization), so the hook must clip after the closure's backward."""
-    v = 0.05
-    expected = torch_lightning_run(v, "value", tmp_path, kernel_spy)
+@pytest.mark.parametrize("algorithm, make_clip", [("value", lambda: torchclip.ClipGradByValue(0.05)),
+                                                  ("norm", lambda: torchclip.ClipGradByGlobalNorm(0.5))])
+def test_lightning_optimizer_with_grad_clip(algorithm, make_clip, kernel_spy, tmp_path):
+    """configure_optimizers returns torchclip.optim.SGD(grad_clip=...): Lightning steps it with a closure
+    (automatic optimization), so the hook must clip after the closure's backward."""
+    c = 0.05 if algorithm == "value" else 0.5
+    expected = torch_lightning_run(c, algorithm, tmp_path, kernel_spy)
     unclipped = torch_lightning_run(None, None, tmp_path, kernel_spy)
     assert_params_differ(expected, unclipped)
 
     kernel_spy.reset()
-    clip = torchclip.ClipGradByValue(v)
+    clip = make_clip()
     module = Regression(lambda params: torchclip.optim.SGD(params, lr=0.05, grad_clip=clip))
     actual = fit(module, tmp_path / "torchclip")
     assert kernel_spy.clips == STEPS, kernel_spy.calls
-    assert_params_equal(actual, expected)  # the same clamp, at the same point of the step
-
-
-@pytest.mark.integration
-def test_lightning_optimizer_grad_clip_by_global_norm(kernel_spy, tmp_path):
-    c = 0.5
-    expected = torch_lightning_run(c, "norm", tmp_path, kernel_spy)
-    unclipped = torch_lightning_run(None, None, tmp_path, kernel_spy)
-    assert_params_differ(expected, unclipped)
-
-    kernel_spy.reset()
-    clip = torchclip.ClipGradByGlobalNorm(c)
-    module = Regression(lambda params: torchclip.optim.SGD(params, lr=0.05, grad_clip=clip))
-    actual = fit(module, tmp_path / "torchclip")
-    assert kernel_spy.clips == STEPS, kernel_spy.calls
-    assert clip.last_global_norm is not None and clip.last_global_norm.item() > c  # it clipped on the last step
-    # Paddle's c / max(norm, c) against torch's c / (norm + 1e-6): 1e-6 / norm relative per step.
-    assert_params_close(actual, expected)
+    if algorithm == "value":
+        assert_params_equal(actual, expected)  # the same clamp, at the same point of the step
+    else:
+        assert clip.last_global_norm.item() > c  # it clipped on the last step
+        # Paddle's c / max(norm, c) against torch's c / (norm + 1e-6): 1e-6 / norm relative per step.
+        assert_params_close(actual, expected)
 
 
 class ClipHookRegression(Regression):

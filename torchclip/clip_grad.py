@@ -100,9 +100,9 @@ def _grads(parameters: list) -> list[Tensor]:
 
 
 # The public functions try the C++ fast path first thing, with their arguments as given (an iterable
-# other than a list or tuple drained into one first: _readable), and leave to
-# a no_grad() function what it does not serve: the fast path serves only tensors autograd does not
-# track (it steps aside for the rest, see csrc/python_module.cpp), so grad mode changes nothing there.
+# other than a list or tuple drained into one first: _readable), and leave to a no_grad() function
+# what it does not serve: the fast path serves only tensors autograd does not track (it steps aside
+# for the rest, see csrc/python_module.cpp), so grad mode changes nothing there.
 # Each Python step before it (entering no_grad(), converting the list and the numbers, asking
 # torch.compiler.is_compiling()) cost 4-10 us of a 0.5 ms call on 10,000 parameters (a diagnostic,
 # not a claim), its code and objects being cold after the step's other work.

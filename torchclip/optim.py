@@ -6,12 +6,12 @@
 
 The clip runs when optimizer.step() is called, before the update, so it sees what the update will
 use: with step(closure) it runs after the closure has made the gradients (LBFGS: after every
-evaluation), and with torch.amp.GradScaler the gradients are already unscaled there (GradScaler.step unscales
-first) and a step GradScaler skips for inf/NaN is not clipped either. A clip built with
+evaluation), and with torch.amp.GradScaler the gradients are already unscaled there (GradScaler.step
+unscales first) and a step GradScaler skips for inf/NaN is not clipped either. A clip built with
 nonfinite="skip" that meets a NaN/inf norm leaves the gradients alone and the step is skipped
 (counted in the handle's skipped_steps; with a closure, its first evaluation decides, and the step
-returns its loss). (Fused optimizers that unscale inside their own kernel, fused=True,
-need scaler.unscale_(optimizer) before scaler.step for the clip to see unscaled values.)
+returns its loss). (Fused optimizers that unscale inside their own kernel, fused=True, need
+scaler.unscale_(optimizer) before scaler.step for the clip to see unscaled values.)
 
 Which clip a parameter gets: its param group's 'grad_clip' (Paddle's per-group setting), else the
 optimizer's grad_clip, else what set_gradient_clip gave it. Parameters sharing one clip object are
