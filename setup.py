@@ -113,7 +113,8 @@ def extensions():
     exts = [
         CppExtension(
             "torchclip._C",
-            ["csrc/ops.cpp", "csrc/ops_autograd.cpp", "csrc/cpu/ops_cpu.cpp", "csrc/cpu/kernel_loader.cpp", "csrc/python_module.cpp"],
+            ["csrc/ops.cpp", "csrc/ops_autograd.cpp", "csrc/cpu/ops_cpu.cpp", "csrc/cpu/kernel_loader.cpp",
+             "csrc/walk/param_walk.cpp", "csrc/walk/fast_path.cpp", "csrc/python_module.cpp"],
             include_dirs=[os.path.join(ROOT, "csrc")],
             define_macros=[("TORCHCLIP_CPU_CAPABILITIES", '"' + ",".join(isas) + '"')]
             + ([("TORCHCLIP_WITH_CUDA", "1")] if with_cuda else []),  # _C.cuda_built()

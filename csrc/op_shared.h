@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "cpu/kernel_table.h"
+#include "kernel_types.h"
 
 namespace torchclip {
 
@@ -24,19 +24,19 @@ namespace torchclip {
 // dense float16/bfloat16/float32/float64 runs; complex, integer, views with gaps or overlaps go to
 // ATen, which is correct for all. A lazily negated view (neg bit) holds -x in memory as x: only ATen
 // knows to flip it.
-inline std::optional<cpu::DType> kernel_dtype(const at::Tensor& t) {
+inline std::optional<DType> kernel_dtype(const at::Tensor& t) {
   if (!t.is_non_overlapping_and_dense() || t.is_neg()) {
     return std::nullopt;
   }
   switch (t.scalar_type()) {
     case at::kHalf:
-      return cpu::DType::Float16;
+      return DType::Float16;
     case at::kBFloat16:
-      return cpu::DType::BFloat16;
+      return DType::BFloat16;
     case at::kFloat:
-      return cpu::DType::Float32;
+      return DType::Float32;
     case at::kDouble:
-      return cpu::DType::Float64;
+      return DType::Float64;
     default:
       return std::nullopt;
   }

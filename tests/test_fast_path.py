@@ -1,4 +1,4 @@
-"""The eager fast path (csrc/python_module.cpp): the C++ walk over parameters that calls the CPU ops'
+"""The eager fast path (csrc/walk/): the C++ walk over parameters that calls the CPU ops'
 implementations without the dispatcher. Whatever it skips must not be observable: version counters,
 dispatch modes, inference mode, torch's warnings, and the switch from borrowed tensors (GIL held) to
 owned ones (GIL released) for large workloads."""
@@ -199,18 +199,34 @@ def test_grad_mode_changes_nothing():
     weight.grad = None  # (breaks the reference cycle create_graph made)
 
 
-def test_the_walk_reads_the_fields_directly():
-    # The walk reads a TensorImpl's autograd meta and version counter from the fields (calls into
-    # libc10 cost a third of its time); each read is checked once against torch's accessor and falls
-    # back to it when the layout differs. This torch must take the direct reads, or the walk is slow.
-    assert torchclip._C.walk_reads_fields()
+PROFILED_CALLS = {
+    "clip_grad_norm_": (lambda params: torchclip.clip_grad_norm_(params, 0.1), "torchclip::clip_grad_norm_"),
+    "clip_grad_value_": (lambda params: torchclip.clip_grad_value_(params, 0.1), "torchclip::multi_tensor_clamp_"),
+    "get_total_norm": (lambda params: torchclip.get_total_norm([p.grad for p in params]),
+                       "torchclip::multi_tensor_norm"),
+    "ClipGradByNorm": (lambda params: torchclip.ClipGradByNorm(0.1)(params), "torchclip::clip_by_tensor_norm_"),
+}
 
 
-def test_a_view_whose_base_requires_grad_is_seen_to_require_grad():
+@pytest.mark.parametrize("call", PROFILED_CALLS)
+def test_the_profiler_sees_the_fast_path(call, kernel_spy):
+    # Users profile training steps: the walk and the op it runs must show up under their own names,
+    # although the op's implementation is called without the dispatcher (which records dispatched ops).
+    clip, op_name = PROFILED_CALLS[call]
+    params = make_params(SPECS, seed=21)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        clip(params)
+    names = [event.name for event in profile.events()]
+    assert sum(kernel_spy.calls.values()) == 1 and all(name.endswith("_of_plain") for name in kernel_spy.calls)
+    assert names.count("torchclip::walk_parameters") == 1
+    assert names.count(op_name) == 1
+
+
+def test_a_view_whose_base_requires_grad_is_seen_to_require_grad(kernel_spy):
     # A gradient that is a view, made under no_grad, of a tensor that requires grad requires grad
-    # through its base only (no grad_fn, no flag of its own). The walk reads that from the fields,
-    # as DifferentiableViewMeta does; if it missed it, the classes, which do not leave grad mode,
-    # would clip the view here instead of raising as their ops do in grad mode.
+    # through its base only (no grad_fn, no flag of its own). In grad mode the walk must see that and
+    # step aside (calling the implementation directly would skip the Autograd kernel's refusal); the
+    # general path then clips under no_grad, as torch's drop-ins do, the classes too.
     def view_gradient():
         base = torch.linspace(-3, 3, 10, requires_grad=True)
         with torch.no_grad():
@@ -220,17 +236,14 @@ def test_a_view_whose_base_requires_grad_is_seen_to_require_grad():
         weight.grad = view
         return weight
 
-    weight = view_gradient()
-    before = weight.grad.detach().clone()
-    with torch.enable_grad(), pytest.raises(RuntimeError, match=r"tensors\[0\] requires grad and grad mode is on"):
-        torchclip.ClipGradByValue(1.0)([weight])
-    torch.testing.assert_close(weight.grad.detach(), before, rtol=0, atol=0)
-    # The drop-ins clip it under no_grad, as torch's do.
-    ours, theirs = view_gradient(), view_gradient()
-    with torch.enable_grad():
-        torchclip.clip_grad_value_([ours], 1.0)
-        torch.nn.utils.clip_grad_value_([theirs], 1.0)
-    torch.testing.assert_close(ours.grad.detach(), theirs.grad.detach(), rtol=0, atol=0)
+    for clip in (lambda ps: torchclip.clip_grad_value_(ps, 1.0), lambda ps: torchclip.ClipGradByValue(1.0)(ps)):
+        ours, theirs = view_gradient(), view_gradient()
+        kernel_spy.reset()
+        with torch.enable_grad():
+            clip([ours])
+            torch.nn.utils.clip_grad_value_([theirs], 1.0)
+        assert dict(kernel_spy.calls) == {"multi_tensor_clamp_": 1}  # the general path's op, not the walk
+        torch.testing.assert_close(ours.grad.detach(), theirs.grad.detach(), rtol=0, atol=0)
 
 
 # What the drop-ins receive, as callers pass it: one tensor, a tuple, numbers of other types, a flag

@@ -175,38 +175,32 @@ def _clip_by_tensor_norm_fake(tensors, max_norm, nonfinite="propagate"):
 # The devices whose kernels were built: the CPU always, CUDA when torchclip._cuda was (setup.py).
 KERNEL_DEVICES = ("cpu", "cuda") if _C.cuda_built() else ("cpu",)
 
+# Whether dynamo is tracing (torch.compile): it reads this as True and traces the Python paths, as it
+# cannot trace into _C. The other tracers (make_fx, non-strict export) run with dispatch modes or fake
+# tensors, which the walk and kernels_serve refuse. (torch.compiler.is_compiling() would also ask
+# torch.jit.is_scripting(): one more Python call, cold after a training step's other work.)
+dynamo_is_tracing = torch.compiler.is_dynamo_compiling
+
 
 def kernels_serve(tensors: Sequence[torch.Tensor], devices: Sequence[str] = KERNEL_DEVICES) -> bool:
-    """Whether the torchclip ops serve all these tensors: strided, no tensor subclass (whose arithmetic
-    may mean something else), and all on one device of a type in `devices`. The Python twin of the
-    C++ walk below (which takes CPU tensors only), for the paths it does not take; under
-    torch.compile dynamo sees plain tensors."""
-    if not tensors:
-        return True
-    device = tensors[0].device
-    if device.type not in devices:
-        return False
-    if torch.compiler.is_compiling():
-        return all(t.device == device and t.layout == torch.strided for t in tensors)
-    return all(
-        t.device == device and t.layout == torch.strided and type(t) in (torch.Tensor, torch.nn.Parameter)
-        for t in tensors
-    )
+    """Whether the torchclip ops serve all these tensors (a list or tuple): plain strided tensors (no
+    subclass, fake or functional wrapper) on one device of a type in `devices`. The rule is the
+    parameter walk's own (csrc/walk/param_walk.h, plain_on); under dynamo, which cannot call it and
+    sees plain tensors, the device and the layout decide."""
+    if dynamo_is_tracing():
+        if not tensors:
+            return True
+        device = tensors[0].device
+        return device.type in devices and all(t.device == device and t.layout == torch.strided for t in tensors)
+    return _C.kernels_serve(tensors, "cuda" in devices)
 
 
-# ---- eager fast paths (csrc/python_module.cpp) ----------------------------------------------------
+# ---- the eager fast path (csrc/walk/fast_path.h) ---------------------------------------------------
 # The parameter walk in C++, then the CPU ops' own implementations, or for CUDA tensors the ops through
-# the dispatcher. Each returns None (False for the clamp) when some item is not a plain strided tensor
-# on one CPU or (when built) CUDA device, or a dispatch mode is active; the caller then takes the
-# general path. Dynamo cannot trace them: under torch.compile the callers use the op wrappers above.
+# the dispatcher. Each returns None (False for the clamps) when the walk declines; the caller then takes
+# the general path. Never called while dynamo traces (dynamo_is_tracing).
 total_norm_of_plain = _C.total_norm_of_plain
 clip_grad_norm_of_plain = _C.clip_grad_norm_of_plain
 clip_by_tensor_norm_of_plain = _C.clip_by_tensor_norm_of_plain
 clamp_grads_of_plain = _C.clamp_grads_of_plain
 clip_grad_value_of_plain = _C.clip_grad_value_of_plain
-
-# The fast paths' gate: under torch.compile dynamo reads this as True and traces the Python paths
-# instead. The other tracers (make_fx, non-strict export) run with dispatch modes or fake tensors, which
-# the walk refuses. (torch.compiler.is_compiling() would also ask torch.jit.is_scripting(): one more
-# Python call, cold after a training step's other work.)
-dynamo_is_tracing = torch.compiler.is_dynamo_compiling

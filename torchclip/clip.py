@@ -26,13 +26,12 @@ the predicate (default: all) both allow it, so either one can exclude it.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from torchclip import _ops, _sparse
+from torchclip import _ops, _shards, _sparse
 
 __all__ = [
     "ClipGradBase",
@@ -104,7 +103,11 @@ class ClipGradBase:
         return self._need_clip_predicate is None or bool(self._need_clip_predicate(param))
 
     def __call__(self, params_grads):
-        """clip(pairs) -> clipped pairs (grad None dropped); clip(parameters) -> None."""
+        """clip(pairs) -> clipped pairs (grad None dropped); clip(parameters) -> None.
+
+        The one route of every clip: the C++ walk over the parameters and their need_clip marks (a
+        need_clip predicate is Python, so it takes the Python walk), else the general path under one
+        no_grad()."""
         if isinstance(params_grads, Tensor):
             params_grads = [params_grads]
         items = params_grads if isinstance(params_grads, (list, tuple)) else list(params_grads)
@@ -112,12 +115,11 @@ class ClipGradBase:
         if pairs_form:
             pairs = [(p, g) for p, g in items if g is not None]
         else:
-            # The eager fast path walks the parameters (and their need_clip marks) in C++; a
-            # need_clip predicate is Python, so it takes the Python walk.
             if self._need_clip_predicate is None and not _ops.dynamo_is_tracing() and self._clip_parameters(items):
                 return None
             pairs = [(p, p.grad) for p in items if p.grad is not None]
-        self._clip_pairs([(p, g) for p, g in pairs if self._wants(p)])
+        with torch.no_grad():
+            self._clip_pairs([(p, g) for p, g in pairs if self._wants(p)])
         return pairs if pairs_form else None
 
     def _clip_pairs(self, pairs: list) -> None:
@@ -243,25 +245,19 @@ class ClipGradByGlobalNorm(ClipGradBase):
         self.last_global_norm: Tensor | None = None
 
     def _clip_pairs(self, pairs) -> None:
-        from torchclip.clip_grad import _distributed, _distributed_available, _sharded_norm
-
         grads = [g for _, g in pairs]
         if self.process_group is not None:
-            # Hand-sharded: the parameters say which gradients are replicated (counted by one rank).
-            distributed = _distributed()
-            shards = distributed.hand_shards(grads, [distributed.is_replicated(p) for p, _ in pairs],
-                                             self.process_group)
+            shards = _shards.hand_shards(grads, [p for p, _ in pairs], self.process_group)
         else:  # DTensor gradients (FSDP2): their local shards
-            shards = _distributed().dtensor_shards(grads) if _distributed_available() else None
+            shards = _shards.dtensor_shards(grads)
             if shards is None:
                 return super()._clip_pairs(pairs)
-        global_norm = _sharded_norm(shards, 2.0, self.nonfinite == "raise")
+        global_norm = _shards.sharded_norm(shards, 2.0, self.nonfinite == "raise")
         self._record(global_norm)
         self.last_global_norm = global_norm.to(torch.float32)
         if self.nonfinite == "skip" and not torch.isfinite(global_norm):
             return
-        if shards.local:
-            _ops.multi_tensor_scale_(shards.local, torch.clamp(self.clip_norm / global_norm, max=1.0))
+        _shards.scale_shards(shards, torch.clamp(self.clip_norm / global_norm, max=1.0))
 
     def _clip_parameters(self, params):
         if self.process_group is not None:
@@ -437,11 +433,3 @@ def gradient_clip_of(param) -> ClipGradBase | None:
     """The clip set_gradient_clip gave `param` (or the global default), None if neither."""
     return getattr(param, "gradient_clip_attr", None) or _default_clip
 
-
-def _warn_both_set():
-    warnings.warn(
-        "set_gradient_clip is ignored for parameters whose optimizer has its own grad_clip: the "
-        "optimizer's grad_clip takes precedence (as in Paddle)",
-        UserWarning,
-        stacklevel=4,
-    )

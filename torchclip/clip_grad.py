@@ -40,7 +40,7 @@ from torch import Tensor
 from torch.nn.utils import clip_grad as _torch_clip_grad
 from typing_extensions import deprecated
 
-from torchclip import _ops, _sparse
+from torchclip import _ops, _shards, _sparse
 
 _tensor_or_tensors = Tensor | Iterable[Tensor]
 
@@ -99,13 +99,12 @@ def _grads(parameters: list) -> list[Tensor]:
     return grads
 
 
-# The public functions try the C++ fast path first thing, with their arguments as given (an iterable
-# other than a list or tuple drained into one first: _readable), and leave to a no_grad() function
-# what it does not serve: the fast path serves only tensors autograd does not track (it steps aside
-# for the rest, see csrc/python_module.cpp), so grad mode changes nothing there.
-# Each Python step before it (entering no_grad(), converting the list and the numbers, asking
-# torch.compiler.is_compiling()) cost 4-10 us of a 0.5 ms call on 10,000 parameters (a diagnostic,
-# not a claim), its code and objects being cold after the step's other work.
+# Each public function is the one route of its entry point: the C++ walk first thing, with the
+# arguments as given (csrc/walk/fast_path.h; an iterable other than a list or tuple drained into a list
+# first), then, where the walk declines, the general path under one no_grad(), which takes the ops
+# (kernels_serve: the walk's own rule), sharded gradients, sparse gradients, or torch's implementation.
+# The walk serves only tensors autograd does not track, so grad mode changes nothing there. Each
+# Python step before it cost 4-10 us of a 0.5 ms call on 10,000 parameters, cold after a step's work.
 
 
 def get_total_norm(
@@ -133,65 +132,24 @@ def get_total_norm(
             return total_norm
     tensors = _as_list(tensors)
     norm_type = _as_number("norm_type", norm_type)
-    return _get_total_norm(tensors, norm_type, error_if_nonfinite, foreach, process_group)
+    _check_tensors(tensors, "tensors")
+    with torch.no_grad():
+        return _total_norm_general(tensors, norm_type, error_if_nonfinite, foreach, process_group)
 
 
-@torch.no_grad()
-def _get_total_norm(tensors, norm_type: float, error_if_nonfinite, foreach, process_group) -> Tensor:
+def _total_norm_general(tensors: Sequence[Tensor], norm_type: float, error_if_nonfinite, foreach, process_group):
     if process_group is not None:
-        _check_tensors(tensors, "tensors")
-        distributed = _distributed()
-        shards = distributed.hand_shards(tensors, [distributed.is_replicated(t) for t in tensors], process_group)
-        return _sharded_norm(shards, norm_type, error_if_nonfinite).to(_ops.total_norm_dtype(tensors))
+        shards = _shards.hand_shards(tensors, tensors, process_group)
+        return _shards.sharded_norm(shards, norm_type, error_if_nonfinite).to(_ops.total_norm_dtype(tensors))
     if len(tensors) == 0:
         return torch.tensor(0.0)
-    _check_tensors(tensors, "tensors")
     if _ops.kernels_serve(tensors):
-        # torch computes this norm under no_grad too (it is not differentiable there either), and the
-        # ops refuse tensors that autograd tracks.
-        with torch.no_grad():
-            total_norm, _ = _ops.multi_tensor_norm(tensors, norm_type, error_if_nonfinite)
+        total_norm, _ = _ops.multi_tensor_norm(tensors, norm_type, error_if_nonfinite)
         return total_norm
     if any(_sparse.is_sparse(t) for t in tensors):
         total_wide, dtype = _total_norm_with_sparse(tensors, norm_type, error_if_nonfinite)
         return total_wide.to(dtype)
     return _torch_get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
-
-
-def _distributed_available() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def _distributed():
-    from torchclip import distributed  # imported on use: torch.distributed is heavy and optional
-
-    return distributed
-
-
-def _check_finite(total: Tensor, norm_type: float, error_if_nonfinite: bool) -> None:
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(
-            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
-            "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
-            "`error_if_nonfinite=False`"
-        )
-
-
-def _sharded_norm(shards, norm_type: float, error_if_nonfinite: bool) -> Tensor:
-    """The global norm (float64, CPU, the same on every rank) of sharded gradients (torchclip.distributed)."""
-    if not _ops.kernels_serve(shards.local, devices=("cpu",)):
-        raise ValueError("process_group: sharded clipping runs on plain strided CPU gradients (gloo) for now")
-    total, _ = _distributed().sharded_norms(shards, norm_type)
-    _check_finite(total, norm_type, error_if_nonfinite)
-    return total
-
-
-def _clip_shards(shards, max_norm, norm_type, error_if_nonfinite, result_dtype) -> Tensor:
-    """clip_grad_norm_ over this rank's shards: one collective, the same coefficient on every rank."""
-    total = _sharded_norm(shards, _as_number("norm_type", norm_type), error_if_nonfinite)
-    if shards.local:
-        _ops.multi_tensor_scale_(shards.local, torch.clamp(_as_number("max_norm", max_norm) / (total + 1e-6), max=1.0))
-    return total.to(result_dtype)
 
 
 def _total_norm_with_sparse(tensors: list[Tensor], norm_type: float, error_if_nonfinite: bool):
@@ -207,11 +165,10 @@ def _total_norm_with_sparse(tensors: list[Tensor], norm_type: float, error_if_no
     else:
         norms += [torch.linalg.vector_norm(t.abs().to(torch.float64), norm_type).to(device) for t in dense]
     total = torch.linalg.vector_norm(torch.cat([n.reshape(-1) for n in norms]), norm_type)
-    _check_finite(total, norm_type, error_if_nonfinite)
+    _shards.raise_if_nonfinite(total, norm_type, error_if_nonfinite)
     return total, _ops.total_norm_dtype(tensors)
 
 
-@torch.no_grad()
 def clip_grads_with_norm_(
     parameters: _tensor_or_tensors,
     max_norm: float,
@@ -226,15 +183,18 @@ def clip_grads_with_norm_(
     """
     parameters = _as_list(parameters)
     grads = _grads(parameters)
-    if not _ops.kernels_serve(grads):
-        return _torch_clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
-    max_norm = _as_number("max_norm", max_norm)
-    if len(grads) == 0:
-        return None
-    clip_coef = max_norm / (total_norm + 1e-6)
-    clip_coef_clamped = torch.clamp(clip_coef, max=1.0)
-    _ops.multi_tensor_scale_(grads, clip_coef_clamped.to(grads[0].device))
+    with torch.no_grad():
+        if not _ops.kernels_serve(grads):
+            return _torch_clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
+        max_norm = _as_number("max_norm", max_norm)
+        if grads:
+            _ops.multi_tensor_scale_(grads, _coefficient(max_norm, total_norm, 1e-6).to(grads[0].device))
     return None
+
+
+def _coefficient(max_norm: float, total_norm: Tensor, eps: float) -> Tensor:
+    """torch's clip coefficient, min(max_norm / (total_norm + eps), 1), in total_norm's dtype and device."""
+    return torch.clamp(max_norm / (total_norm + eps), max=1.0)
 
 
 def clip_grad_norm_(
@@ -259,8 +219,7 @@ def clip_grad_norm_(
     """
     given = parameters
     parameters = _readable(parameters)
-    eager = process_group is None and not _ops.dynamo_is_tracing()
-    if eager:
+    if process_group is None and not _ops.dynamo_is_tracing():
         total_norm = _ops.clip_grad_norm_of_plain(parameters, max_norm, norm_type, error_if_nonfinite)
         if total_norm is not None:
             return total_norm
@@ -268,38 +227,43 @@ def clip_grad_norm_(
     if not parameters and isinstance(given, types.GeneratorType):
         # The caller's line, as torch's warning names it.
         warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=2)
-    if eager:  # bad numbers raise here, before any path reads a gradient
-        _as_number("max_norm", max_norm)
-        _as_number("norm_type", norm_type)
-    return _clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach, process_group)
-
-
-@torch.no_grad()
-def _clip_grad_norm_(parameters: list, max_norm, norm_type, error_if_nonfinite, foreach, process_group) -> Tensor:
-    if process_group is not None:
-        grads = _grads(parameters)
-        distributed = _distributed()
-        replicated = [distributed.is_replicated(p) for p in parameters if p.grad is not None]
-        shards = distributed.hand_shards(grads, replicated, process_group)
-        return _clip_shards(shards, max_norm, norm_type, error_if_nonfinite, _ops.total_norm_dtype(grads))
+    # Bad numbers raise here, before any gradient is read.
+    max_norm = _as_number("max_norm", max_norm)
+    norm_type = _as_number("norm_type", norm_type)
     grads = _grads(parameters)
+    with torch.no_grad():
+        return _clip_grad_norm_general(parameters, grads, max_norm, norm_type, error_if_nonfinite, foreach,
+                                       process_group)
+
+
+def _clip_grad_norm_general(parameters, grads, max_norm: float, norm_type: float, error_if_nonfinite, foreach,
+                            process_group) -> Tensor:
+    if process_group is not None:
+        params = [p for p in parameters if p.grad is not None]
+        return _clip_shards(_shards.hand_shards(grads, params, process_group), max_norm, norm_type,
+                            error_if_nonfinite, _ops.total_norm_dtype(grads))
     if grads and _ops.kernels_serve(grads):
-        return _ops.clip_grad_norm_tensors_(
-            grads, _as_number("max_norm", max_norm), _as_number("norm_type", norm_type), error_if_nonfinite
-        )
-    shards = _distributed().dtensor_shards(grads) if _distributed_available() else None
+        return _ops.clip_grad_norm_tensors_(grads, max_norm, norm_type, error_if_nonfinite)
+    shards = _shards.dtensor_shards(grads)
     if shards is not None:  # FSDP2 / DTensor gradients: their local shards, one collective
         return _clip_shards(shards, max_norm, norm_type, error_if_nonfinite, _ops.total_norm_dtype(grads))
     if any(_sparse.is_sparse(g) for g in grads):
-        total_wide, dtype = _total_norm_with_sparse(grads, _as_number("norm_type", norm_type), error_if_nonfinite)
-        coefficient = torch.clamp(_as_number("max_norm", max_norm) / (total_wide + 1e-6), max=1.0)
+        total_wide, dtype = _total_norm_with_sparse(grads, norm_type, error_if_nonfinite)
+        coefficient = _coefficient(max_norm, total_wide, 1e-6)
         for g in grads:  # scaling the stored values of a sparse gradient scales its sums too
             g.mul_(coefficient.to(g.device))
         return total_wide.to(dtype)
-    # Other devices, subclasses, sparse gradients, or none at all: torch's composition.
-    total_norm = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
-    clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
+    # Other devices, subclasses, or no gradient at all: torch's composition.
+    total_norm = _torch_get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+    _torch_clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
     return total_norm
+
+
+def _clip_shards(shards, max_norm: float, norm_type: float, error_if_nonfinite, result_dtype) -> Tensor:
+    """clip_grad_norm_ over this rank's shards: one collective, the same coefficient on every rank."""
+    total = _shards.sharded_norm(shards, norm_type, error_if_nonfinite)
+    _shards.scale_shards(shards, _coefficient(max_norm, total, 1e-6))
+    return total.to(result_dtype)
 
 
 @deprecated(
@@ -333,25 +297,18 @@ def clip_grad_value_(
         return None
     parameters = _as_list(parameters)
     clip_value = _as_number("clip_value", clip_value)
-    return _clip_grad_value_(parameters, clip_value, foreach)
-
-
-@torch.no_grad()
-def _clip_grad_value_(parameters, clip_value: float, foreach) -> None:
     grads = _grads(parameters)
     if not grads:
         return None
-    if _ops.kernels_serve(grads):
-        _ops.multi_tensor_clamp_(grads, -clip_value, clip_value)
-        return None
-    if any(_sparse.is_sparse(g) for g in grads):
-        for g in grads:
-            if _sparse.is_sparse(g):
-                _sparse.clamp_(g, -clip_value, clip_value)
-            else:
-                g.clamp_(-clip_value, clip_value)
-        return None
-    return _torch_clip_grad_value_(parameters, clip_value, foreach)
+    with torch.no_grad():
+        if _ops.kernels_serve(grads):
+            _ops.multi_tensor_clamp_(grads, -clip_value, clip_value)
+        elif any(_sparse.is_sparse(g) for g in grads):
+            for g in grads:
+                (_sparse.clamp_ if _sparse.is_sparse(g) else Tensor.clamp_)(g, -clip_value, clip_value)
+        else:
+            _torch_clip_grad_value_(parameters, clip_value, foreach)
+    return None
 
 
 # ---- torch.nn.utils patching ---------------------------------------------------------------------

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import functools
 import types
+import warnings
 
 import torch
 
-from torchclip.clip import ClipGradBase, ClipGradByGlobalNorm, _warn_both_set, gradient_clip_of
+from torchclip.clip import ClipGradBase, ClipGradByGlobalNorm, gradient_clip_of
 
 __all__ = ["attach", "with_grad_clip", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "NAdam",
            "RAdam", "Adadelta"]
@@ -41,6 +42,15 @@ def _check_clip(clip, where: str):
     if clip is not None and not isinstance(clip, ClipGradBase):
         raise TypeError(f"{where} must be a torchclip clip (ClipGradByValue, ClipGradByNorm, ClipGradByGlobalNorm, "
                         f"or a legacy GradientClipBy*), got {clip!r}")
+
+
+def _warn_both_set():
+    warnings.warn(
+        "set_gradient_clip is ignored for parameters whose optimizer has its own grad_clip: the "
+        "optimizer's grad_clip takes precedence (as in Paddle)",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def _clip_plan(optimizer: torch.optim.Optimizer, default: ClipGradBase | None):
@@ -76,11 +86,10 @@ def _clip_before_step(optimizer, default) -> bool:
     """Clip every gradient the plan covers; False when a clip with nonfinite="skip" met a NaN/inf
     norm, so the step must not run."""
     proceed = True
-    with torch.no_grad():
-        for clip, params in _clip_plan(optimizer, default):
-            clip(params)
-            if clip.nonfinite == "skip" and clip.found_nonfinite is not None:
-                proceed &= not bool(clip.found_nonfinite)  # one flag read: a sync on accelerators
+    for clip, params in _clip_plan(optimizer, default):
+        clip(params)
+        if clip.nonfinite == "skip" and clip.found_nonfinite is not None:
+            proceed &= not bool(clip.found_nonfinite)  # one flag read: a sync on accelerators
     return proceed
 
 

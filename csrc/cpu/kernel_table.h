@@ -9,12 +9,12 @@
 
 #include <cstdint>
 
+#include "kernel_types.h"  // DType, NormKind, NormOrder: shared with the CUDA kernels
+
 namespace torchclip::cpu {
 
 // Bumped whenever a struct below changes layout, so a stale kernel library is refused, not misread.
 constexpr int32_t kKernelAbiVersion = 1;
-
-enum class DType : int32_t { Float16 = 0, BFloat16 = 1, Float32 = 2, Float64 = 3 };
 
 // A dense, non-overlapping run of `numel` elements: either a contiguous tensor or any tensor whose
 // strides are a permutation of contiguous ones. Element order does not matter to any kernel here
@@ -23,13 +23,6 @@ struct TensorSpan {
   void* data;
   int64_t numel;
   DType dtype;
-};
-
-enum class NormKind : int32_t { One = 0, Two = 1, Inf = 2, NegInf = 3, Zero = 4, General = 5 };
-
-struct NormOrder {
-  NormKind kind;
-  double p;  // the order itself; only read for NormKind::General
 };
 
 struct KernelTable {

@@ -71,7 +71,7 @@ std::vector<double> tensor_norms_wide(at::TensorList tensors, const Split& split
   std::vector<double> norms(tensors.size());
   if (!split.spans.empty()) {
     std::vector<double> span_norms(split.spans.size());
-    cpu_kernels().tensor_norms(split.spans.data(), static_cast<int64_t>(split.spans.size()), cpu::norm_order(ord),
+    cpu_kernels().tensor_norms(split.spans.data(), static_cast<int64_t>(split.spans.size()), norm_order(ord),
         span_norms.data());
     for (size_t k = 0; k < split.spans.size(); ++k) {
       norms[split.span_source[k]] = span_norms[k];
@@ -123,7 +123,7 @@ void apply_scales(at::TensorList tensors, const Split& split, const std::vector<
 // The total norm, in torch's result dtype, of per-tensor norms already computed; raises as torch
 // does when asked to and it is not finite.
 at::Tensor total_of_norms(const std::vector<double>& norms, const Split& split, double ord, bool error_if_nonfinite) {
-  const double total = cpu::total_norm(norms.data(), static_cast<int64_t>(norms.size()), cpu::norm_order(ord));
+  const double total = total_norm(norms.data(), static_cast<int64_t>(norms.size()), norm_order(ord));
   check_finite_total(total, ord, error_if_nonfinite);
   return scalar_in_dtype(total, total_norm_dtype(split.promoted));
 }
@@ -158,7 +158,7 @@ at::Tensor clip_grad_norm_split(at::TensorList grads, const Split& split, double
   const NonFinite policy = parse_nonfinite(nonfinite, op);
   check_writable(grads, split.aten_path, op);
   const std::vector<double> norms = tensor_norms_wide(grads, split, norm_type, op);
-  const double total = cpu::total_norm(norms.data(), static_cast<int64_t>(norms.size()), cpu::norm_order(norm_type));
+  const double total = total_norm(norms.data(), static_cast<int64_t>(norms.size()), norm_order(norm_type));
   check_finite_total(total, norm_type, error_if_nonfinite || policy == NonFinite::Raise);
   // torch's coefficient, max_norm / (total_norm + eps) clamped to at most 1, but from the float64 norm.
   // std::min keeps a NaN coefficient NaN, as torch.clamp does; a zero norm with eps = 0 gives 1.

@@ -11,13 +11,9 @@
 
 #include <cstdint>
 
-#include "cpu/kernel_table.h"  // DType, NormKind, NormOrder: the same vocabulary as the CPU kernels
+#include "kernel_types.h"  // DType, NormKind, NormOrder: the same vocabulary as the CPU kernels
 
 namespace torchclip::cuda {
-
-using cpu::DType;
-using cpu::NormKind;
-using cpu::NormOrder;
 
 // A dense, non-overlapping float16/bfloat16/float32/float64 run of `numel` elements (element order is
 // irrelevant to every op, as on the CPU), and `index`, its position in the op's tensor list: where
@@ -44,7 +40,7 @@ void tensor_norms(const DeviceSpan* spans, int64_t count, NormOrder order, doubl
     int32_t* arrivals, cudaStream_t stream);
 
 // *total = the `order`-norm of norms[0, count) (torch.nn.utils.get_total_norm's definition, as
-// cpu/norm_total.h evaluates it). When `coefficient` is not null, also
+// norm_total.h evaluates it). When `coefficient` is not null, also
 // *coefficient = min(max_norm / (*total + eps), 1), NaN kept, or 1 when skip_nonfinite and the total is
 // NaN or inf: the clip coefficient, computed where the norm is, so the host never waits for it.
 void total_norm(const double* norms, int64_t count, NormOrder order, double* total, double* coefficient,

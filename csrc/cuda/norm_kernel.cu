@@ -190,7 +190,7 @@ void launch_norms(const DeviceSpan* spans, int64_t count, double p, double* norm
 constexpr int kTotalThreads = 512;
 
 struct Extremes {
-  double largest;   // NaN ignored (n > largest is false for NaN), as cpu/norm_total.h
+  double largest;   // NaN ignored (n > largest is false for NaN), as norm_total.h
   double smallest;
   double sum;
   double nonzero;

@@ -25,7 +25,7 @@
 #include <tuple>
 #include <vector>
 
-#include "cpu/norm_total.h"  // norm_order: the same classification of p as the CPU ops
+#include "norm_total.h"  // norm_order: the same classification of p as the CPU ops
 #include "cuda/kernels.h"
 #include "op_shared.h"
 
@@ -33,9 +33,6 @@ namespace torchclip {
 namespace {
 
 using cuda::DeviceSpan;
-using cuda::DType;
-using cuda::NormKind;
-using cuda::NormOrder;
 
 // How a list is served: `spans` by the kernels, `aten_path` (indices) by ATen.
 struct DeviceSplit {
@@ -111,7 +108,7 @@ at::Tensor aten_norm(const at::Tensor& t, double ord) {
 // Per-tensor norms in float64, on the device: kernels for the spans, ATen for the rest.
 at::Tensor tensor_norms(at::TensorList tensors, const DeviceSplit& split, double ord, const char* op,
     cudaStream_t stream) {
-  const NormOrder order = cpu::norm_order(ord);
+  const NormOrder order = norm_order(ord);
   check_norm_inputs(tensors, split.aten_path, ord, op);
   const int64_t count = static_cast<int64_t>(tensors.size());
   // The kernels launch no block for an empty tensor, whose norm (for the orders that allow one) is 0.
@@ -163,7 +160,7 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_cuda(at::TensorList tensors
   const cudaStream_t stream = current_stream();
   const at::Tensor norms = tensor_norms(tensors, split, ord, op, stream);
   at::Tensor total = at::empty({}, float64_on(device));
-  cuda::total_norm(norms.data_ptr<double>(), norms.numel(), cpu::norm_order(ord), total.data_ptr<double>(), nullptr,
+  cuda::total_norm(norms.data_ptr<double>(), norms.numel(), norm_order(ord), total.data_ptr<double>(), nullptr,
       0.0, 0.0, false, stream);
   if (error_if_nonfinite) {
     check_finite_total(total.item<double>(), ord, true);  // the check needs the value: a sync, as torch's
@@ -240,7 +237,7 @@ at::Tensor clip_grad_norm_cuda(at::TensorList grads, double max_norm, double nor
   at::Tensor coefficient = at::empty({}, float64_on(device));
   // torch's coefficient, max_norm / (total_norm + eps) clamped to at most 1, from the float64 norm and
   // on the device; 1 for a non-finite norm under "skip".
-  cuda::total_norm(norms.data_ptr<double>(), norms.numel(), cpu::norm_order(norm_type), total.data_ptr<double>(),
+  cuda::total_norm(norms.data_ptr<double>(), norms.numel(), norm_order(norm_type), total.data_ptr<double>(),
       coefficient.data_ptr<double>(), max_norm, eps, policy == NonFinite::Skip, stream);
   if (error_if_nonfinite || policy == NonFinite::Raise) {
     check_finite_total(total.item<double>(), norm_type, true);  // the check needs the value: a sync, as torch's

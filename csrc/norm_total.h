@@ -8,9 +8,9 @@
 #include <cstdint>
 #include <limits>
 
-#include "kernel_table.h"
+#include "kernel_types.h"
 
-namespace torchclip::cpu {
+namespace torchclip {
 
 inline NormOrder norm_order(double ord) {
   if (ord == 1.0) {
@@ -84,4 +84,4 @@ inline double total_norm(const double* norms, int64_t count, NormOrder order) {
   return largest * (p == 2.0 ? std::sqrt(scaled) : std::pow(scaled, 1.0 / p));
 }
 
-}  // namespace torchclip::cpu
+}  // namespace torchclip

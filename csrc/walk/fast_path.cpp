@@ -1,0 +1,138 @@
+#include "walk/fast_path.h"
+
+#include <torch/csrc/autograd/python_variable.h>
+#include <ATen/record_function.h>
+
+#include <optional>
+#include <tuple>
+
+#include "cpu/ops_cpu.h"
+#include "op_handles.h"
+#include "walk/param_walk.h"
+
+namespace torchclip::walk {
+namespace {
+
+// A Python float or int as a double; nothing for anything else (the Python path converts it or names
+// it), or for an int too large for a double (float() raises there, naming the argument).
+std::optional<double> plain_number(py::handle value) {
+  if (PyFloat_CheckExact(value.ptr())) {
+    return PyFloat_AS_DOUBLE(value.ptr());
+  }
+  if (PyLong_CheckExact(value.ptr())) {
+    const double converted = PyLong_AsDouble(value.ptr());
+    if (converted == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return std::nullopt;
+    }
+    return converted;
+  }
+  return std::nullopt;
+}
+
+// Python's truth of a flag, as torch's `if error_if_nonfinite and ...` takes it. Read before the walk:
+// __bool__ may run Python code.
+bool truth(py::handle flag) {
+  const int is_true = PyObject_IsTrue(flag.ptr());
+  if (is_true < 0) {
+    throw py::error_already_set();
+  }
+  return is_true != 0;
+}
+
+py::object wrap(at::Tensor tensor) {
+  return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(tensor)));
+}
+
+// Runs the op on the gathered tensors: on the CPU its implementation, called directly under a profiler
+// event with the op's name (what the dispatcher would record), elsewhere the op through the
+// dispatcher, which records it. Without the GIL when the tensors are owned.
+template <typename OnCpu, typename ThroughDispatcher>
+auto run(const GatheredTensors& gathered, const char* op, const OnCpu& on_cpu,
+    const ThroughDispatcher& through_dispatcher) {
+  std::optional<py::gil_scoped_release> no_gil;
+  if (gathered.may_release_gil()) {
+    no_gil.emplace();
+  }
+  if (!gathered.on_cpu()) {
+    return through_dispatcher(gathered.tensors());
+  }
+  RECORD_FUNCTION(op, std::vector<c10::IValue>{c10::IValue(gathered.tensors())});
+  return on_cpu(gathered.tensors(), gathered.split());
+}
+
+}  // namespace
+
+py::object total_norm_of_plain(py::handle tensors, py::handle norm_type_arg, py::handle error_if_nonfinite) {
+  const std::optional<double> norm_type = plain_number(norm_type_arg);
+  const bool nonfinite_raises = truth(error_if_nonfinite);
+  GatheredTensors gathered;
+  if (!norm_type || !gathered.gather(tensors.ptr(), false, false) || gathered.empty()) {
+    return py::none();
+  }
+  return wrap(run(gathered, "torchclip::multi_tensor_norm",
+      [&](at::TensorList list, const Split& split) {
+        return total_norm_split(list, split, *norm_type, nonfinite_raises);
+      },
+      [&](at::TensorList list) {
+        return std::get<0>(op_handles::multi_tensor_norm().call(list, *norm_type, nonfinite_raises));
+      }));
+}
+
+py::object clip_grad_norm_of_plain(py::handle parameters, py::handle max_norm_arg, py::handle norm_type_arg,
+    py::handle error_if_nonfinite, double eps, bool norm_at_least_float32, bool honor_need_clip,
+    const std::string& nonfinite) {
+  const std::optional<double> max_norm = plain_number(max_norm_arg), norm_type = plain_number(norm_type_arg);
+  const bool nonfinite_raises = truth(error_if_nonfinite);
+  GatheredTensors grads;
+  if (!max_norm || !norm_type || !grads.gather(parameters.ptr(), true, honor_need_clip) || grads.empty()) {
+    return py::none();
+  }
+  at::Tensor total = run(grads, "torchclip::clip_grad_norm_",
+      [&](at::TensorList list, const Split& split) {
+        return clip_grad_norm_split(list, split, *max_norm, *norm_type, nonfinite_raises, eps, norm_at_least_float32,
+            nonfinite);
+      },
+      [&](at::TensorList list) {
+        return op_handles::clip_grad_norm_().call(list, *max_norm, *norm_type, nonfinite_raises, eps,
+            norm_at_least_float32, nonfinite);
+      });
+  grads.bump_versions();
+  return wrap(std::move(total));
+}
+
+py::object clip_by_tensor_norm_of_plain(py::handle parameters, double max_norm, bool honor_need_clip,
+    const std::string& nonfinite) {
+  GatheredTensors grads;
+  if (!grads.gather(parameters.ptr(), true, honor_need_clip) || grads.empty()) {
+    return py::none();
+  }
+  at::Tensor norms = run(grads, "torchclip::clip_by_tensor_norm_",
+      [&](at::TensorList list, const Split& split) {
+        return clip_by_tensor_norm_split(list, split, max_norm, nonfinite);
+      },
+      [&](at::TensorList list) { return op_handles::clip_by_tensor_norm_().call(list, max_norm, nonfinite); });
+  grads.bump_versions();
+  return wrap(std::move(norms));
+}
+
+bool clamp_grads_of_plain(py::handle parameters, double min, double max, bool honor_need_clip) {
+  GatheredTensors grads;
+  if (!grads.gather(parameters.ptr(), true, honor_need_clip)) {
+    return false;
+  }
+  if (!grads.empty()) {
+    run(grads, "torchclip::multi_tensor_clamp_",
+        [&](at::TensorList list, const Split& split) { multi_tensor_clamp_split(list, split, min, max); },
+        [&](at::TensorList list) { op_handles::multi_tensor_clamp_().call(list, min, max); });
+    grads.bump_versions();
+  }
+  return true;
+}
+
+bool clip_grad_value_of_plain(py::handle parameters, py::handle clip_value_arg) {
+  const std::optional<double> clip_value = plain_number(clip_value_arg);
+  return clip_value && clamp_grads_of_plain(parameters, -*clip_value, *clip_value, false);
+}
+
+}  // namespace torchclip::walk
