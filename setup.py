@@ -25,8 +25,8 @@ isolation would install a second (CUDA) torch to build against.
 import os
 import platform
 
-from setuptools import find_packages, setup
 import torch
+from setuptools import find_packages, setup
 from torch.utils import cpp_extension
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 

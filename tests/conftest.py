@@ -6,10 +6,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import torchclip  # noqa: E402
-from torchclip import _ops  # noqa: E402
-from hypothesis import settings  # noqa: E402
-from testing import KernelSpy  # noqa: E402
+from hypothesis import settings
+from testing import KernelSpy
+
+import torchclip
+from torchclip import _ops
 
 # CI runs the same hypothesis examples every time (a red CI then means a change broke something, not
 # that the draw was unlucky); the long fuzz campaign, tests/fuzz.py, draws new cases on every run.

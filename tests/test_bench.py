@@ -1,5 +1,6 @@
 """The benchmark command's structure (never its timings: this machine is shared and noisy)."""
 
+import itertools
 import json
 import subprocess
 import sys
@@ -141,7 +142,7 @@ def test_balanced_orders_give_every_candidate_every_predecessor_equally(n):
     follows = {}
     for order in orders:
         assert sorted(order) == list(range(n))
-        for before, after in zip(order, order[1:]):
+        for before, after in itertools.pairwise(order):
             follows[before, after] = follows.get((before, after), 0) + 1
     assert set(follows) == {(a, b) for a in range(n) for b in range(n) if a != b}
     assert len(set(follows.values())) == 1, follows

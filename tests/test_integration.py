@@ -40,7 +40,7 @@ pl = pytest.importorskip("pytorch_lightning")
 accelerate = pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
 
-import torchclip  # noqa: E402
+import torchclip
 
 STEPS = 4
 

@@ -15,7 +15,7 @@ import torch
 
 timm = pytest.importorskip("timm")
 
-import torchclip  # noqa: E402
+import torchclip
 
 STEPS = 3
 

@@ -8,7 +8,6 @@ classes usable as optimizer hooks (torchclip.optim), all on the same fused multi
 from torchclip import optim
 from torchclip._ops import cpu_capabilities, get_cpu_capability, set_cpu_capability
 from torchclip.clip import (
-    ClipGradBase,
     ClipGradByGlobalNorm,
     ClipGradByNorm,
     ClipGradByValue,
@@ -20,6 +19,7 @@ from torchclip.clip import (
     set_need_clip,
 )
 from torchclip.clip_grad import (
+    NotATensorError,
     clip_grad_norm,
     clip_grad_norm_,
     clip_grad_value_,
@@ -30,25 +30,26 @@ from torchclip.clip_grad import (
 
 __version__ = "0.1.0"
 
+# What the README's API table documents, no more (tests/test_public_api.py).
 __all__ = [
-    "ClipGradBase",
     "ClipGradByGlobalNorm",
     "ClipGradByNorm",
     "ClipGradByValue",
     "GradientClipByGlobalNorm",
     "GradientClipByNorm",
     "GradientClipByValue",
-    "exclude_from_clipping",
-    "optim",
-    "set_gradient_clip",
-    "set_need_clip",
+    "NotATensorError",
     "clip_grad_norm",
     "clip_grad_norm_",
     "clip_grad_value_",
     "clip_grads_with_norm_",
     "cpu_capabilities",
+    "exclude_from_clipping",
     "get_cpu_capability",
     "get_total_norm",
+    "optim",
     "patch",
     "set_cpu_capability",
+    "set_gradient_clip",
+    "set_need_clip",
 ]

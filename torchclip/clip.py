@@ -35,16 +35,16 @@ from torchclip import _ops, _shards, _sparse
 
 __all__ = [
     "ClipGradBase",
-    "ClipGradByValue",
-    "ClipGradByNorm",
     "ClipGradByGlobalNorm",
-    "GradientClipByValue",
-    "GradientClipByNorm",
+    "ClipGradByNorm",
+    "ClipGradByValue",
     "GradientClipByGlobalNorm",
-    "set_need_clip",
+    "GradientClipByNorm",
+    "GradientClipByValue",
     "exclude_from_clipping",
-    "set_gradient_clip",
     "gradient_clip_of",
+    "set_gradient_clip",
+    "set_need_clip",
 ]
 
 
@@ -399,7 +399,7 @@ def set_gradient_clip(clip: ClipGradBase, param_list=None, program: torch.nn.Mod
     example). clip=None clears the defaults set for those parameters.
     """
     global _default_clip
-    if clip is not None and not isinstance(clip, ClipGradBase):  # noqa: SIM102
+    if clip is not None and not isinstance(clip, ClipGradBase):
         raise TypeError(f"clip must be a ClipGradBase instance (e.g. ClipGradByGlobalNorm), got {clip!r}")
     if program is not None and not isinstance(program, torch.nn.Module):
         raise TypeError(f"program must be the torch.nn.Module owning the parameters, got {type(program).__name__}")

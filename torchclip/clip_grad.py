@@ -294,12 +294,12 @@ def clip_grad_value_(
     """
     parameters = _readable(parameters)
     if not _ops.dynamo_is_tracing() and _ops.clip_grad_value_of_plain(parameters, clip_value):
-        return None
+        return
     parameters = _as_list(parameters)
     clip_value = _as_number("clip_value", clip_value)
     grads = _grads(parameters)
     if not grads:
-        return None
+        return
     with torch.no_grad():
         if _ops.kernels_serve(grads):
             _ops.multi_tensor_clamp_(grads, -clip_value, clip_value)
@@ -308,7 +308,6 @@ def clip_grad_value_(
                 (_sparse.clamp_ if _sparse.is_sparse(g) else Tensor.clamp_)(g, -clip_value, clip_value)
         else:
             _torch_clip_grad_value_(parameters, clip_value, foreach)
-    return None
 
 
 # ---- torch.nn.utils patching ---------------------------------------------------------------------

@@ -32,8 +32,19 @@ import torch
 
 from torchclip.clip import ClipGradBase, ClipGradByGlobalNorm, gradient_clip_of
 
-__all__ = ["attach", "with_grad_clip", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "NAdam",
-           "RAdam", "Adadelta"]
+__all__ = [
+    "SGD",
+    "Adadelta",
+    "Adagrad",
+    "Adam",
+    "AdamW",
+    "Adamax",
+    "NAdam",
+    "RAdam",
+    "RMSprop",
+    "attach",
+    "with_grad_clip",
+]
 
 _GROUP_KEY = "grad_clip"
 

@@ -190,8 +190,8 @@ def candidates_for(op, g: Grads, as_generators=False) -> Candidates:
 
         def grads():
             return g.grads
-    norm_bound = lambda: flat.sum()  # noqa: E731
-    norm_scale_bound = lambda: (flat.sum(), flat.mul_(1.0))  # noqa: E731
+    norm_bound = lambda: flat.sum()
+    norm_scale_bound = lambda: (flat.sum(), flat.mul_(1.0))
     if op == "clip_grad_norm_ (no clip)":
         return Candidates(lambda: torch.nn.utils.clip_grad_norm_(params(), 1e30),
                           lambda: torch.nn.utils.clip_grad_norm_(params(), 1e30, foreach=False),

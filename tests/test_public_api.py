@@ -1,0 +1,45 @@
+"""The public surface: what torchclip.__all__ exports is what the README documents, and no more."""
+
+import importlib
+import pathlib
+import re
+
+import torchclip
+
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+_SUBMODULES_IMPORTED_ON_USE = {"distributed", "bench", "clip"}  # named in the README as torchclip.<module>.x
+
+
+def _readme_names() -> set[str]:
+    return set(re.findall(r"\btorchclip\.([A-Za-z_][A-Za-z0-9_]*)", README.read_text()))
+
+
+def test_every_export_is_documented():
+    undocumented = sorted(set(torchclip.__all__) - _readme_names())
+    assert not undocumented, f"exported but not in README.md: {undocumented}"
+
+
+def test_every_export_exists():
+    missing = [name for name in torchclip.__all__ if not hasattr(torchclip, name)]
+    assert not missing
+
+
+def test_every_documented_name_is_exported_or_a_module():
+    stray = []
+    for name in sorted(_readme_names()):
+        if name.startswith("_") or name in torchclip.__all__:  # (private modules, in the layout table)
+            continue
+        if name in _SUBMODULES_IMPORTED_ON_USE:
+            importlib.import_module(f"torchclip.{name}")  # (raises if the README names a module that is gone)
+            continue
+        stray.append(name)
+    assert not stray, f"README.md names torchclip.{stray} but torchclip.__all__ does not export them"
+
+
+def test_not_a_tensor_error_is_what_the_drop_ins_raise():
+    try:
+        torchclip.clip_grad_norm_([1], 1.0)
+    except torchclip.NotATensorError as error:
+        assert isinstance(error, TypeError) and isinstance(error, AttributeError)
+    else:
+        raise AssertionError("clip_grad_norm_([1], 1.0) did not raise")
