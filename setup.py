@@ -22,6 +22,7 @@ Install with `pip install --no-build-isolation -e .`: torch is a run-time depend
 isolation would install a second (CUDA) torch to build against.
 """
 
+import json
 import os
 import platform
 
@@ -33,21 +34,12 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEBUG = os.environ.get("DEBUG", "0") == "1"
 
-# Flags per kernel library. AVX2 and AVX-512 match what torch itself requires for its AVX2/AVX512
-# capabilities (FMA; VL/BW/DQ), plus F16C for the fp16 conversions.
-ISA_FLAGS = {
-    "DEFAULT": [],
-    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
-    # GCC's generic tuning prefers 256-bit vectors; our 64-byte vector types want full zmm registers.
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
-               "-mprefer-vector-width=512"],
-}
-KERNEL_SOURCES = [
-    "csrc/cpu/norm_kernel.cpp",
-    "csrc/cpu/scale_kernel.cpp",
-    "csrc/cpu/clamp_kernel.cpp",
-    "csrc/cpu/kernel_library.cpp",
-]
+# The sources and ISA flags, shared with CMakeLists.txt. AVX2 and AVX-512 match what torch itself requires for
+# its AVX2/AVX512 capabilities (FMA; VL/BW/DQ), plus F16C for the fp16 conversions; GCC's generic tuning
+# prefers 256-bit vectors, and the AVX-512 vector types want full zmm registers.
+with open(os.path.join(ROOT, "csrc", "build.json")) as build_file:
+    BUILD = json.load(build_file)
+ISA_FLAGS = BUILD["cpu_isa_flags"]
 
 
 def cpu_isas():
@@ -59,14 +51,6 @@ def cpu_isas():
     if "DEFAULT" not in names:
         names.insert(0, "DEFAULT")  # the fallback every CPU can run
     return names
-
-
-CUDA_SOURCES = [
-    "csrc/cuda/ops_cuda.cpp",
-    "csrc/cuda/norm_kernel.cu",
-    "csrc/cuda/scale_kernel.cu",
-    "csrc/cuda/clamp_kernel.cu",
-]
 
 
 def cuda_decision():
@@ -95,10 +79,11 @@ def cuda_decision():
 
 
 def cxx_standard():
-    # torch 2.14's headers need C++20 (std::strong_ordering, string_view::starts_with); older torches
-    # keep the C++17 the project is written in.
-    major, minor = (int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-    return "-std=c++20" if (major, minor) >= (2, 14) else "-std=c++17"
+    def release(version):
+        return tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+
+    standard = 20 if release(torch.__version__) >= release(BUILD["cxx20_from_torch"]) else BUILD["cxx_standard"]
+    return f"-std=c++{standard}"
 
 
 def optimisation():
@@ -113,12 +98,11 @@ def extensions():
     exts = [
         CppExtension(
             "torchclip._C",
-            ["csrc/ops.cpp", "csrc/ops_autograd.cpp", "csrc/cpu/ops_cpu.cpp", "csrc/cpu/kernel_loader.cpp",
-             "csrc/walk/param_walk.cpp", "csrc/walk/fast_path.cpp", "csrc/python_module.cpp"],
+            BUILD["op_library"] + BUILD["python_bindings"],
             include_dirs=[os.path.join(ROOT, "csrc")],
             define_macros=[("TORCHCLIP_CPU_CAPABILITIES", '"' + ",".join(isas) + '"')]
             + ([("TORCHCLIP_WITH_CUDA", "1")] if with_cuda else []),  # _C.cuda_built()
-            # -fopenmp: the parameter walk (python_module.cpp) runs on torch's intra-op threads.
+            # -fopenmp: the parameter walk (walk/param_walk.cpp) runs on torch's intra-op threads.
             extra_compile_args=common + ["-fopenmp"],
             extra_link_args=["-ldl", "-fopenmp"],
         )
@@ -127,7 +111,7 @@ def extensions():
         exts.append(
             CppExtension(
                 f"torchclip._cpu_{isa.lower()}",
-                KERNEL_SOURCES,
+                BUILD["cpu_kernels"],
                 include_dirs=[os.path.join(ROOT, "csrc")],
                 define_macros=[("TORCHCLIP_CPU_CAPABILITY", f'"{isa}"')],
                 # OpenMP: at::parallel_for is a header template that only runs in parallel when the
@@ -142,8 +126,9 @@ def extensions():
         exts.append(
             CUDAExtension(
                 "torchclip._cuda",
-                CUDA_SOURCES,
+                BUILD["cuda_kernels"],
                 include_dirs=[os.path.join(ROOT, "csrc")],
+                define_macros=[("TORCHCLIP_PYTHON_MODULE", "1")],  # PyInit__cuda (CMake builds a plain library)
                 extra_compile_args={
                     "cxx": common,
                     # -lineinfo: profilers map time to source lines, at no cost to the code.

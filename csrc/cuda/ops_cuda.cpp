@@ -9,7 +9,9 @@
 // As on the CPU, dense float16/bfloat16/float32/float64 tensors go to the kernels; the rest (complex,
 // integer, strided views with gaps or overlaps, lazily negated views) take ATen's ops on the device,
 // which are correct for all. Every check runs before any tensor is written.
+#ifdef TORCHCLIP_PYTHON_MODULE  // setup.py's torchclip._cuda; CMake's libtorchclip_cuda is a plain library
 #include <Python.h>
+#endif
 
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
@@ -293,6 +295,7 @@ TORCH_LIBRARY_IMPL(torchclip, CUDA, m) {
 
 }  // namespace torchclip
 
+#ifdef TORCHCLIP_PYTHON_MODULE
 // torchclip._cuda is a Python extension module only so that `import` can load it; loading it runs the
 // registration above (into the library torchclip._C defines, so _C is imported first). It defines no
 // Python names.
@@ -302,3 +305,4 @@ PyMODINIT_FUNC PyInit__cuda(void) {
       nullptr};
   return PyModule_Create(&module);
 }
+#endif
