@@ -146,3 +146,23 @@ def test_balanced_orders_give_every_candidate_every_predecessor_equally(n):
             follows[before, after] = follows.get((before, after), 0) + 1
     assert set(follows) == {(a, b) for a in range(n) for b in range(n) if a != b}
     assert len(set(follows.values())) == 1, follows
+
+
+def test_step_mode_rows(tmp_path):
+    """--step: the four candidates on one optimizer, and the added-cost columns derived from them."""
+    out = tmp_path / "steps.json"
+    result = subprocess.run([sys.executable, "-m", "torchclip.bench", "--step", "adamw-fused", "--step", "sgd",
+                             "--workload", "2000x64x64", "--rounds", "3", "--quick", "--json", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[1].split()[:4] == ["optimizer", "workload", "dtype", "thr"]
+    rows = json.loads(out.read_text())["step_rows"]
+    assert [r["optimizer"] for r in rows] == ["adamw-fused", "sgd"]
+    for r in rows:
+        assert min(r["step_ms"], r["torch_clip_step_ms"], r["torchclip_step_ms"], r["total_norm_ms"]) > 0
+        assert r["torchclip_added_reads"] == pytest.approx((r["torchclip_step_ms"] - r["step_ms"]) / r["total_norm_ms"])
+
+
+def test_step_mode_refuses_an_unknown_optimizer():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--step", "lamb"])

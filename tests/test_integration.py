@@ -196,6 +196,43 @@ def test_lightning_optimizer_with_grad_clip(algorithm, make_clip, kernel_spy, tm
         assert_params_close(actual, expected)
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize("name", ["AdamW", "SGD"])
+def test_lightning_16_mixed_fused_optimizer_with_grad_clip(name, tmp_path):
+    """precision="16-mixed" with a fused optimizer: Lightning refuses gradient_clip_val (the fused kernel
+    unscales inside the step, so nothing can clip between unscaling and the update), while torchclip's
+    grad_clip= folds the clip into that kernel. Oracle: the same optimizer unfused, which Lightning
+    unscales and clips with torch's clip_grad_norm_. (SGD is there because AdamW hardly sees a clip that
+    scales every step alike: its update is invariant to the gradients' scale.)"""
+    kwargs = {"lr": 0.05, "momentum": 0.9} if name == "SGD" else {"lr": 0.05}
+    fused = functools.partial(getattr(torch.optim, name), fused=True, **kwargs)
+
+    def fp16(**trainer_kwargs):
+        # Trainer(precision="16-mixed") turns into bf16-mixed on a CPU; the plugin itself keeps float16
+        # autocast and a torch.amp.GradScaler, as on a GPU (whose default first scale, 2**16, would
+        # overflow every one of these few steps).
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+        return {"plugins": [pl.plugins.precision.MixedPrecision("16-mixed", "cpu", scaler=scaler)], **trainer_kwargs}
+
+    with pytest.raises(RuntimeError, match="fused"):
+        fit(Regression(fused), tmp_path / "refused", **fp16(gradient_clip_val=0.5))
+    expected = fit(Regression(functools.partial(getattr(torch.optim, name), foreach=True, **kwargs)),
+                   tmp_path / "torch", **fp16(gradient_clip_val=0.5, gradient_clip_algorithm="norm"))
+    unclipped = fit(Regression(fused), tmp_path / "unclipped", **fp16())
+    assert_params_differ(expected, unclipped)
+
+    clip = torchclip.ClipGradByGlobalNorm(0.5)
+    module = Regression(lambda params: getattr(torchclip.optim, name)(params, fused=True, grad_clip=clip, **kwargs))
+    actual = fit(module, tmp_path / "torchclip", **fp16())
+    assert module.trainer.precision_plugin.scaler.get_scale() == 256.0  # no step overflowed; the clip saw scaled grads
+    optimizer = module.optimizers().optimizer
+    assert optimizer.grad_clip_attachment.plan_for(optimizer).folded is clip
+    assert clip.last_global_norm.item() > 0.5  # the unscaled norm: it clipped on the last step
+    # fused against foreach, and Paddle's 0.5 / max(norm, 0.5) against torch's 0.5 / (norm + 1e-6)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
 class ClipHookRegression(Regression):
     """Clips in configure_gradient_clipping with a torchclip class, ignoring Lightning's arguments."""
 

@@ -60,6 +60,15 @@ def _positive_finite(name: str, value) -> float:
 
 _NONFINITE_POLICIES = ("propagate", "raise", "skip")
 
+# Bumped by every call that changes which clip serves a parameter or whether it is clipped
+# (set_gradient_clip, set_need_clip, exclude_from_clipping): the optimizer hook caches its plan until then.
+_marks_generation = 0
+
+
+def _marks_changed() -> None:
+    global _marks_generation
+    _marks_generation += 1
+
 
 def _norm(g: Tensor) -> Tensor:
     """A gradient's L2 norm on the general path (other devices, subclasses, sparse COO), accumulated
@@ -92,7 +101,9 @@ class ClipGradBase:
 
     def _record(self, norms: Tensor) -> None:
         """Update found_nonfinite / nonfinite_steps from the last call's norm(s)."""
-        found = ~torch.isfinite(norms).all()
+        self._record_found(~torch.isfinite(norms).all())
+
+    def _record_found(self, found: Tensor) -> None:
         self.found_nonfinite = found
         steps = self.nonfinite_steps
         self.nonfinite_steps = found.to(torch.int64) + (0 if steps is None else steps.to(found.device))
@@ -259,6 +270,16 @@ class ClipGradByGlobalNorm(ClipGradBase):
             return
         _shards.scale_shards(shards, torch.clamp(self.clip_norm / global_norm, max=1.0))
 
+    def _global_norm_of_parameters(self, params, nonfinite: str) -> Tensor | None:
+        """The global norm of the marked gradients of plain CPU or CUDA parameters, read by the C++ walk
+        and written nowhere (a fused optimizer step then applies the coefficient); None where the walk
+        declines. max_norm = inf makes every coefficient exactly 1, and the kernels skip a scale by 1;
+        nonfinite is "raise" or "skip" (a non-finite norm must not turn into a scale of NaN here)."""
+        if self.process_group is not None:
+            return None
+        return _ops.clip_grad_norm_of_plain(params, math.inf, 2.0, False, eps=0.0, norm_at_least_float32=True,
+                                            honor_need_clip=True, nonfinite=nonfinite)
+
     def _clip_parameters(self, params):
         if self.process_group is not None:
             return False  # sharded clipping needs the (param, grad) pairs: the Python walk
@@ -360,6 +381,7 @@ def set_need_clip(target, need_clip: bool) -> int:
     params = _parameters_of(target)
     for p in params:
         p.need_clip = need_clip
+    _marks_changed()
     return len(params)
 
 
@@ -379,6 +401,7 @@ def exclude_from_clipping(module: torch.nn.Module, *, biases: bool = True, norm_
                 marked.add(p)
     for p in marked:
         p.need_clip = False
+    _marks_changed()
     return len(marked)
 
 
@@ -399,6 +422,7 @@ def set_gradient_clip(clip: ClipGradBase, param_list=None, program: torch.nn.Mod
     example). clip=None clears the defaults set for those parameters.
     """
     global _default_clip
+    _marks_changed()
     if clip is not None and not isinstance(clip, ClipGradBase):
         raise TypeError(f"clip must be a ClipGradBase instance (e.g. ClipGradByGlobalNorm), got {clip!r}")
     if program is not None and not isinstance(program, torch.nn.Module):

@@ -6,12 +6,18 @@
 
 The clip runs when optimizer.step() is called, before the update, so it sees what the update will
 use: with step(closure) it runs after the closure has made the gradients (LBFGS: after every
-evaluation), and with torch.amp.GradScaler the gradients are already unscaled there (GradScaler.step
-unscales first) and a step GradScaler skips for inf/NaN is not clipped either. A clip built with
-nonfinite="skip" that meets a NaN/inf norm leaves the gradients alone and the step is skipped
-(counted in the handle's skipped_steps; with a closure, its first evaluation decides, and the step
-returns its loss). (Fused optimizers that unscale inside their own kernel, fused=True, need
-scaler.unscale_(optimizer) before scaler.step for the clip to see unscaled values.)
+evaluation), and with torch.amp.GradScaler it sees unscaled gradients and a step GradScaler skips for
+inf/NaN is not clipped. A clip built with nonfinite="skip" that meets a NaN/inf norm leaves the
+gradients alone and the step is skipped (counted in the handle's skipped_steps; with a closure, its
+first evaluation decides, and the step returns its loss).
+
+Folded into fused steps: on torch's fused optimizers (Adam, AdamW, SGD, Adagrad with fused=True), when
+one ClipGradByGlobalNorm serves every parameter, the hook computes the global norm alone and hands
+1 / the coefficient to the fused kernel as its grad_scale (multiplied by GradScaler's scale, when the
+gradients are still scaled), and nonfinite="skip" as its found_inf: the kernel divides each gradient
+as it reads it, and writes the clipped gradient back, so the clip costs one read of the gradients and
+no host sync. Other clips (per tensor, per element, excluded parameters) clip in place first; under
+GradScaler they unscale the gradients first, as scaler.unscale_ would.
 
 Which clip a parameter gets: its param group's 'grad_clip' (Paddle's per-group setting), else the
 optimizer's grad_clip, else what set_gradient_clip gave it. Parameters sharing one clip object are
@@ -29,8 +35,10 @@ import types
 import warnings
 
 import torch
+from torch import Tensor
 
-from torchclip.clip import ClipGradBase, ClipGradByGlobalNorm, gradient_clip_of
+from torchclip import clip as _clip_module
+from torchclip.clip import ClipGradBase, ClipGradByGlobalNorm, GradientClipByGlobalNorm, gradient_clip_of
 
 __all__ = [
     "SGD",
@@ -64,77 +72,172 @@ def _warn_both_set():
     )
 
 
-def _clip_plan(optimizer: torch.optim.Optimizer, default: ClipGradBase | None):
-    """[(clip, params)] for this step: each clip once, with every parameter it serves."""
-    by_clip: dict[int, tuple[ClipGradBase, list]] = {}
-    by_group_name: dict[str, tuple[ClipGradByGlobalNorm, list]] = {}
-    warned = False
-    for group in optimizer.param_groups:
-        own = group.get(_GROUP_KEY) or default
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            clip = own
-            fallback = gradient_clip_of(p)
-            if clip is None:
-                clip = fallback
-                if isinstance(clip, ClipGradByGlobalNorm):
-                    entry = by_group_name.setdefault(clip.group_name, (clip, []))
-                    if entry[0].clip_norm != clip.clip_norm:
-                        raise ValueError("All parameters' 'clip_norm' of a same group should be the same: group "
-                                         f"{clip.group_name!r} has {entry[0].clip_norm} and {clip.clip_norm}")
-                    entry[1].append(p)
-                    continue
-            elif fallback is not None and not warned:
-                _warn_both_set()
-                warned = True
-            if clip is not None:
-                by_clip.setdefault(id(clip), (clip, []))[1].append(p)
-    return list(by_clip.values()) + list(by_group_name.values())
+class _Plan:
+    """Which clip serves which parameter, built once and reused until something it was built from
+    changes (`key`): the param groups and their clips, or a set_gradient_clip / set_need_clip /
+    exclude_from_clipping call. Every parameter is listed whether or not it has a gradient this step
+    (the clips skip gradients that are None), so a change there needs no new plan.
+
+    `folded` is the clip a fused optimizer step can apply for us: one ClipGradByGlobalNorm serving every
+    parameter, none of them excluded, on an optimizer whose every group is fused. The step's kernel
+    divides each gradient by `grad_scale` (and writes the quotient back), so passing it 1 / the clip
+    coefficient clips without a pass of our own. A per-tensor ClipGradByNorm cannot be folded:
+    grad_scale is one number per device."""
+
+    def __init__(self, optimizer, default):
+        self.key = _plan_key(optimizer)
+        by_clip: dict[int, tuple[ClipGradBase, list]] = {}
+        by_group_name: dict[str, tuple[ClipGradByGlobalNorm, list]] = {}
+        warned = False
+        served = 0
+        for group in optimizer.param_groups:
+            own = group.get(_GROUP_KEY) or default
+            for p in group["params"]:
+                clip = own
+                fallback = gradient_clip_of(p)
+                if clip is None:
+                    clip = fallback
+                    if isinstance(clip, ClipGradByGlobalNorm):
+                        entry = by_group_name.setdefault(clip.group_name, (clip, []))
+                        if entry[0].clip_norm != clip.clip_norm:
+                            raise ValueError("All parameters' 'clip_norm' of a same group should be the same: group "
+                                             f"{clip.group_name!r} has {entry[0].clip_norm} and {clip.clip_norm}")
+                        entry[1].append(p)
+                        served += 1
+                        continue
+                elif fallback is not None and not warned:
+                    _warn_both_set()
+                    warned = True
+                if clip is not None:
+                    by_clip.setdefault(id(clip), (clip, []))[1].append(p)
+                    served += 1
+        self.entries = list(by_clip.values()) + list(by_group_name.values())
+        self.folded = None
+        if len(self.entries) == 1 and _steps_fused(optimizer):
+            clip, params = self.entries[0]
+            whole = served == sum(len(group["params"]) for group in optimizer.param_groups)
+            if (whole and type(clip) in (ClipGradByGlobalNorm, GradientClipByGlobalNorm)
+                    and clip._need_clip_predicate is None and clip.process_group is None
+                    and all(getattr(p, "need_clip", True) is not False for p in params)):
+                self.folded = clip
 
 
-def _clip_before_step(optimizer, default) -> bool:
+def _plan_key(optimizer) -> tuple:
+    return (_clip_module._marks_generation,
+            tuple((id(group.get(_GROUP_KEY)), len(group["params"])) for group in optimizer.param_groups))
+
+
+def _steps_fused(optimizer) -> bool:
+    """Whether step() runs torch's fused kernel on every group, the kernel that reads grad_scale and
+    found_inf (torch marks such optimizers with _step_supports_amp_scaling)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
+        group.get("fused") for group in optimizer.param_groups)
+
+
+def _clip_in_place(optimizer, plan: _Plan) -> bool:
     """Clip every gradient the plan covers; False when a clip with nonfinite="skip" met a NaN/inf
     norm, so the step must not run."""
+    scaler_scale = getattr(optimizer, "grad_scale", None)
+    if scaler_scale is not None:
+        # GradScaler.step on a fused optimizer: the gradients are still scaled, and found_inf says whether
+        # the scaler skips this step. A skipped step is not clipped; otherwise unscale first, as
+        # scaler.unscale_ does, so the clip sees true values, and tell the kernel they are unscaled.
+        if bool(getattr(optimizer, "found_inf", 0)):  # a host read, as GradScaler's own unfused path makes
+            return True
+        inverse = scaler_scale.double().reciprocal().float()
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, inverse)
+        optimizer.grad_scale = None
     proceed = True
-    for clip, params in _clip_plan(optimizer, default):
+    for clip, params in plan.entries:
+        clip.found_nonfinite = None  # (a clip whose parameters have no gradient this step meets nothing)
         clip(params)
         if clip.nonfinite == "skip" and clip.found_nonfinite is not None:
             proceed &= not bool(clip.found_nonfinite)  # one flag read: a sync on accelerators
     return proceed
 
 
+def _fold_into_step(optimizer, clip: ClipGradByGlobalNorm, params) -> tuple[Tensor, Tensor | None] | None:
+    """(grad_scale, found_inf) that make the fused step clip by `clip`, with no pass over the gradients
+    but the norm; None where the C++ walk declines (the caller then clips in place). Everything stays
+    on the gradients' device: no host read, except to raise under nonfinite="raise"."""
+    scaler_scale = getattr(optimizer, "grad_scale", None)  # GradScaler's: the gradients are still scaled
+    scaler_found = getattr(optimizer, "found_inf", None)
+    raises_here = clip.nonfinite == "raise" and scaler_found is None
+    norm = clip._global_norm_of_parameters(params, "raise" if raises_here else "skip")
+    if norm is None:
+        return None
+    if scaler_scale is not None:
+        norm = norm / scaler_scale.to(norm.device)
+    finite = torch.isfinite(norm)
+    found = ~finite
+    if scaler_found is not None:
+        found = found & (scaler_found.to(norm.device) == 0)  # a step the scaler skips is not the clip's
+    if clip.nonfinite == "raise" and not raises_here and bool(found):
+        raise RuntimeError("ClipGradByGlobalNorm: the global norm is non-finite (NaN or inf), so it cannot be "
+                           "clipped; no gradient was changed")
+    clip._record_found(found)
+    clip.last_global_norm = norm
+    # 1 / Paddle's coefficient clip_norm / max(norm, clip_norm); inf or NaN for a non-finite norm, which
+    # the kernel's division turns into what scaling by 0 or NaN gives (nonfinite="propagate").
+    grad_scale = torch.clamp(norm / clip.clip_norm, min=1.0)
+    found_inf = scaler_found
+    if clip.nonfinite == "skip":
+        grad_scale = torch.where(finite, grad_scale, torch.ones_like(grad_scale))
+        skip = found.to(torch.float32)
+        found_inf = skip if scaler_found is None else torch.maximum(scaler_found, skip.to(scaler_found.device))
+    if scaler_scale is not None:
+        grad_scale = grad_scale * scaler_scale.to(grad_scale.device)
+    return grad_scale.to(torch.float32), found_inf
+
+
+_STEP_ATTRIBUTES = ("grad_scale", "found_inf")
+
+
+def _step_with(optimizer, step, grad_scale, found_inf):
+    """step() with optimizer.grad_scale / found_inf set as given, then as they were (GradScaler deletes
+    its own after the step)."""
+    saved = {name: optimizer.__dict__[name] for name in _STEP_ATTRIBUTES if name in optimizer.__dict__}
+    optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf
+    try:
+        return step()
+    finally:
+        for name in _STEP_ATTRIBUTES:
+            if name in saved:
+                setattr(optimizer, name, saved[name])
+            else:
+                delattr(optimizer, name)
+
+
 class _Attachment:
-    """What attach() installs: a wrapper around the instance's step (clip first; skip the step when a
-    "skip" clip met a non-finite norm) and the state_dict hooks. remove() makes the wrapper pass
-    through (it is not unwrapped: an LR scheduler or GradScaler may have wrapped it since)."""
+    """What attach() installs: a wrapper around the instance's step (clip first, or fold the clip into a
+    fused step; skip the step when a "skip" clip met a non-finite norm) and the state_dict hooks.
+    With enabled = False the wrapper passes through; remove() does that for good (it is not unwrapped: an
+    LR scheduler or GradScaler may have wrapped it since)."""
 
     def __init__(self, optimizer, clip):
         self.clip = clip
-        self.skipped_steps = 0  # steps not taken because of a non-finite norm
-        self._active = True
+        self._skipped_on_host = 0
+        self._skipped_on_device: Tensor | None = None  # folded steps' skips, never read during a step
+        self._plan: _Plan | None = None
+        self.enabled = True
         original_step = optimizer.step
         attachment = self
 
         @functools.wraps(original_step)
         def step(optimizer, *args, **kwargs):
-            if not attachment._active:
+            if not attachment.enabled:
                 return original_step(*args, **kwargs)
             closure = args[0] if args else kwargs.get("closure")
             if closure is None:
-                if not _clip_before_step(optimizer, attachment.clip):
-                    attachment.skipped_steps += 1
-                    return None
-                return original_step(*args, **kwargs)
+                return attachment._clip_and_step(optimizer, lambda: original_step(*args, **kwargs), None)
             # step(closure): the closure makes the gradients, so the clip must come after it and before
             # the update (Lightning always steps this way). Its first evaluation runs here, so that a
             # "skip" clip can still refuse the step; the step then gets that evaluation back, and any
             # later one (LBFGS re-evaluates) is clipped as it comes.
             with torch.enable_grad():  # as torch's optimizers call a closure
                 loss = closure()
-            if not _clip_before_step(optimizer, attachment.clip):
-                attachment.skipped_steps += 1
-                return loss
             evaluations = 0
 
             def clipped_closure():
@@ -143,12 +246,14 @@ class _Attachment:
                 if evaluations == 1:
                     return loss
                 again = closure()
-                _clip_before_step(optimizer, attachment.clip)  # (too late to skip: the step is under way)
+                _clip_in_place(optimizer, attachment.plan_for(optimizer))  # (too late to skip: the step is under way)
                 return again
 
             if args:
-                return original_step(clipped_closure, *args[1:], **kwargs)
-            return original_step(**{**kwargs, "closure": clipped_closure})
+                call = functools.partial(original_step, clipped_closure, *args[1:], **kwargs)
+            else:
+                call = functools.partial(original_step, **{**kwargs, "closure": clipped_closure})
+            return attachment._clip_and_step(optimizer, call, loss)
 
         # A bound method, as torch's LR schedulers expect (they re-wrap optimizer.step.__func__).
         optimizer.step = types.MethodType(step, optimizer)
@@ -158,8 +263,35 @@ class _Attachment:
             optimizer.register_load_state_dict_post_hook(_restore_clips),
         ]
 
+    @property
+    def skipped_steps(self) -> int:
+        """Steps not taken because of a non-finite norm (reading it waits for folded steps' flags)."""
+        pending = 0 if self._skipped_on_device is None else int(self._skipped_on_device)
+        return self._skipped_on_host + pending
+
+    def plan_for(self, optimizer) -> _Plan:
+        if self._plan is None or self._plan.key != _plan_key(optimizer):
+            self._plan = _Plan(optimizer, self.clip)
+        return self._plan
+
+    def _clip_and_step(self, optimizer, step, skipped_result):
+        """Clip, folded into the step where it can be, and step; `skipped_result` when the step is skipped."""
+        plan = self.plan_for(optimizer)
+        if plan.folded is not None:
+            folding = _fold_into_step(optimizer, plan.folded, plan.entries[0][1])
+            if folding is not None:
+                if plan.folded.nonfinite == "skip":
+                    found = plan.folded.found_nonfinite.to(torch.int64)
+                    self._skipped_on_device = found if self._skipped_on_device is None else (
+                        self._skipped_on_device + found.to(self._skipped_on_device.device))
+                return _step_with(optimizer, step, *folding)
+        if not _clip_in_place(optimizer, plan):
+            self._skipped_on_host += 1
+            return skipped_result
+        return step()
+
     def remove(self):
-        self._active = False
+        self.enabled = False
         for handle in self._handles:
             handle.remove()
         self._handles = []

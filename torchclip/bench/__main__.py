@@ -28,18 +28,16 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import shutil
-import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
 import torchclip
-from torchclip.bench import report, workloads
+from torchclip.bench import report, step, workloads
+from torchclip.bench.timing import Grads, balanced_orders, format_columns, interleave, no_sync, timed  # noqa: F401
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_WORKLOADS = ["gpt2_124m", "resnet50", "2000x64x64", "10000x100"]
@@ -65,85 +63,6 @@ class Row:
     gbps: float
     spread: float
     device: str = "cpu"
-
-
-class Grads:
-    """Parameters whose gradients are views into one flat buffer or, with separate=True, copies of
-    those views, each its own allocation (the flat buffer stays, for the bound)."""
-
-    def __init__(self, shape_list, dtype, seed=0, device="cpu", separate=False):
-        sizes = [math.prod(s) for s in shape_list]
-        generator = torch.Generator().manual_seed(seed)
-        self.flat = torch.randn(sum(sizes), generator=generator, dtype=torch.float32).to(device, dtype)
-        self.flat.mul_(1.0 / math.sqrt(max(1, self.flat.numel())))  # total norm ~1
-        self.views = [view.view(shape) for view, shape in zip(torch.split(self.flat, sizes), shape_list)]
-        self.separate = separate
-        self.params = []
-        for view, shape in zip(self.views, shape_list):
-            # On the CPU never touched, so it has no pages; on a GPU it is memory, never read.
-            p = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
-            p.grad = view.clone() if separate else view
-            self.params.append(p)
-        self.grads = [p.grad for p in self.params]
-
-    def reset(self):
-        torch.manual_seed(0)
-        self.flat.normal_().mul_(1.0 / math.sqrt(max(1, self.flat.numel())))
-        if self.separate:
-            torch._foreach_copy_(self.grads, self.views)
-
-
-def no_sync() -> None:
-    """The CPU's synchronisation: nothing to wait for (timed()'s default)."""
-
-
-def timed(fn, prepare=None, sync=no_sync) -> float:
-    """Milliseconds of fn(); prepare() runs first, untimed; sync() (a device synchronisation) before
-    the clock starts and before it stops."""
-    if prepare is not None:
-        prepare()
-    sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    return (time.perf_counter() - start) * 1e3
-
-
-def balanced_orders(n):
-    """Orders of n candidates in which every candidate runs right after every other one equally often
-    (a Williams design: n rows for even n, 2n for odd). What ran just before a call leaves the caches
-    and the allocator in its own state, and a call pays for it: a rotation (round r starts with
-    candidate r mod n) keeps each candidate's predecessor fixed, so one candidate would always follow
-    the bound's single pass and another always torch's foreach=False loop over 10,000 tensors."""
-    first, low, high = [0], 1, n - 1
-    while len(first) < n:
-        first.append(low)
-        low += 1
-        if len(first) < n:
-            first.append(high)
-            high -= 1
-    rows = [[(c + shift) % n for c in first] for shift in range(n)]
-    return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
-
-
-def interleave(candidates, rounds, warmup, prepare=None, sync=no_sync):
-    """Medians and spreads (IQR / median) of each candidate, run in balanced_orders(), one order per
-    round in turn; prepare() runs untimed before each call."""
-    for _ in range(warmup):
-        for fn in candidates:
-            timed(fn, prepare, sync)
-    samples = [[] for _ in candidates]
-    orders = balanced_orders(len(candidates))
-    for r in range(rounds):
-        for i in orders[r % len(orders)]:
-            samples[i].append(timed(candidates[i], prepare, sync))
-    out = []
-    for s in samples:
-        s.sort()
-        median = statistics.median(s)
-        q1, q3 = s[len(s) // 4], s[(3 * len(s)) // 4]
-        out.append((median, (q3 - q1) / median if median > 0 else 0.0))
-    return out
 
 
 @dataclass
@@ -245,14 +164,14 @@ def run(workload_names, dtype_names, thread_counts, ops, rounds, warmup, progres
     rows = []
     sync = torch.cuda.synchronize if device == "cuda" else no_sync
     jobs = [(w, d, t) for w in workload_names for d in dtype_names for t in thread_counts]
-    total_steps, step = len(jobs) * len(ops), 0
+    total_steps, done = len(jobs) * len(ops), 0
     for workload, dtype_name, threads in jobs:
         label, shape_list = workloads.resolve(workload)
         g = Grads(shape_list, DTYPES[dtype_name], device=device, separate=separate)
         torch.set_num_threads(threads)
         for op in ops:
-            progress(step, total_steps, f"{label} {dtype_name} threads={threads}: {op}")
-            step += 1
+            progress(done, total_steps, f"{label} {dtype_name} threads={threads}: {op}")
+            done += 1
             c = candidates_for(op, g, as_generators)
             timed_fns = [c.torch, c.torch_no_foreach, c.torchclip, c.bound]
             (t_torch, s1), (t_no_foreach, s2), (t_clip, s3), (t_bound, s4) = interleave(
@@ -270,19 +189,10 @@ def run(workload_names, dtype_names, thread_counts, ops, rounds, warmup, progres
 def format_table(rows) -> str:
     header = ["workload", "dtype", "thr", "op", "torch ms", "no-foreach ms", "torchclip ms", "bound ms", "speed-up",
               "x bound", "GB/s", "spread"]
-    lines = [header]
-    for r in rows:
-        lines.append([r.workload, r.dtype, str(r.threads), r.op, f"{r.torch_ms:.3f}", f"{r.torch_no_foreach_ms:.3f}",
-                      f"{r.torchclip_ms:.3f}",
-                      f"{r.bound_ms:.3f}", f"{r.speedup:.1f}x", f"{r.bound_ratio:.2f}", f"{r.gbps:.1f}",
-                      f"{100 * r.spread:.0f}%"])
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = []
-    for k, line in enumerate(lines):
-        out.append("  ".join(cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))))
-        if k == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
+    return format_columns(header, [
+        [r.workload, r.dtype, str(r.threads), r.op, f"{r.torch_ms:.3f}", f"{r.torch_no_foreach_ms:.3f}",
+         f"{r.torchclip_ms:.3f}", f"{r.bound_ms:.3f}", f"{r.speedup:.1f}x", f"{r.bound_ratio:.2f}", f"{r.gbps:.1f}",
+         f"{100 * r.spread:.0f}%"] for r in rows], left=4)
 
 
 def make_progress(enabled):
@@ -321,11 +231,18 @@ def parse_args(argv):
     parser.add_argument("--params", choices=["list", "generator"], default="list",
                         help="what each call receives: a list of the parameters (default) or a fresh generator "
                              "over them, as training loops pass model.parameters()")
+    parser.add_argument("--step", action="append", metavar="OPTIMIZER",
+                        help=f"instead of the clip rows, what clipping adds to an optimizer step: one of "
+                             f"{', '.join(step.OPTIMIZERS)}; repeatable (default workloads: "
+                             f"{', '.join(step.DEFAULT_WORKLOADS)})")
     parser.add_argument("--quick", action="store_true", help="small workloads, few rounds: seconds, for CI")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--plot", metavar="PATH", help="also draw speed-up and fraction of the bound (PNG)")
     parser.add_argument("--markdown", metavar="PATH", help="also write a results page (Markdown, with the plot)")
     args = parser.parse_args(argv)
+    for name in args.step or []:
+        if name not in step.OPTIMIZERS:
+            parser.error(f"--step {name!r}: unknown; choose from {', '.join(step.OPTIMIZERS)}")
     for d in args.dtype or []:
         if d not in DTYPES:
             parser.error(f"--dtype {d!r}: unknown; choose from {', '.join(DTYPES)}")
@@ -352,8 +269,10 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    names = args.workload or (QUICK_WORKLOADS if args.quick else DEFAULT_WORKLOADS)
     rounds = args.rounds or (5 if args.quick else 15)
+    if args.step:
+        return main_step(args, rounds)
+    names = args.workload or (QUICK_WORKLOADS if args.quick else DEFAULT_WORKLOADS)
     rows = run(names, args.dtype or ["float32"], args.thread_counts, OPS, rounds, warmup=1 if args.quick else 2,
                progress=make_progress(sys.stderr.isatty()), device=args.device, separate=args.grads == "separate",
                as_generators=args.params == "generator")
@@ -376,6 +295,21 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "cpu_capability": torchclip.get_cpu_capability(), "device": args.device,
                        "grads": args.grads, "params": args.params, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    return 0
+
+
+def main_step(args, rounds) -> int:
+    """--step: what clipping adds to optimizer steps (torchclip/bench/step.py)."""
+    names = args.workload or (QUICK_WORKLOADS if args.quick else step.DEFAULT_WORKLOADS)
+    rows = step.run(args.step, names, {d: DTYPES[d] for d in args.dtype or ["float32"]}, args.thread_counts, rounds,
+                    warmup=1 if args.quick else 2, progress=make_progress(sys.stderr.isatty()), device=args.device)
+    print(f"torchclip {torchclip.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, device {args.device}; "
+          f"medians of {rounds} interleaved rounds; added = (clip + step - step) / get_total_norm")
+    print(step.format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "device": args.device, "step_rows": [asdict(r) for r in rows]}, f,
+                      indent=1)
     return 0
 
 

@@ -1,0 +1,297 @@
+"""Clipping folded into torch's fused optimizer steps (fused=True): the clip's coefficient goes to the
+fused kernel as grad_scale, and nonfinite="skip" as found_inf. Oracle: the same clip applied in place,
+by hand, in float64 (Paddle's formula, clip_norm / max(global_norm, clip_norm)), then the same fused
+step; with GradScaler, the scaled gradients unscaled as GradScaler.unscale_ does first."""
+
+import pytest
+import torch
+
+import torchclip
+import torchclip.clip as clip_module
+import torchclip.optim as clip_optim
+from torchclip import ClipGradByGlobalNorm, ClipGradByNorm, ClipGradByValue
+
+# What a folded step may differ by from clip-then-step: the kernel divides each gradient by the float32
+# 1/coefficient where clip-then-step multiplies by the coefficient; one float32 rounding of the
+# gradient, which Adam's update carries into the parameters at most as such (measured: <= 2e-7 relative
+# after 5 float32 steps). Reduced-precision parameters round each gradient once more in their dtype.
+TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-6}, torch.bfloat16: {"rtol": 2e-2, "atol": 1e-2},
+             torch.float16: {"rtol": 2e-3, "atol": 1e-3}}
+
+FUSED = {
+    "Adam": {"lr": 1e-2},
+    "AdamW": {"lr": 1e-2, "weight_decay": 0.1},
+    "SGD": {"lr": 1e-2, "momentum": 0.9},
+    "Adagrad": {"lr": 1e-2},
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_global_default_clip():
+    yield
+    clip_module._default_clip = None
+
+
+def parameters(dtype=torch.float32, seed=0, shapes=((64, 32), (32,), (7, 5, 3), (1,))):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype)) for shape in shapes]
+
+
+def gradient_steps(params, steps, seed=1, spread=10.0):
+    """Fixed gradients for `steps` steps, large enough that clipping to 1 scales every step."""
+    generator = torch.Generator().manual_seed(seed)
+    return [[(torch.randn(p.shape, generator=generator) * spread).to(p.dtype) for p in params] for _ in range(steps)]
+
+
+def clip_by_hand(grads, clip_norm):
+    """Paddle's ClipGradByGlobalNorm in float64, applied in place; returns the global norm."""
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads]))
+    coefficient = clip_norm / max(norm.item(), clip_norm)
+    for g in grads:
+        g.copy_((g.double() * coefficient).to(g.dtype))
+    return norm
+
+
+class NoInPlaceClip(Exception):
+    pass
+
+
+@pytest.fixture
+def forbid_in_place_clip(monkeypatch):
+    """Folding must compute the norm alone: the in-place clip of ClipGradByGlobalNorm must not run."""
+    def refuse(*args, **kwargs):
+        raise NoInPlaceClip
+
+    monkeypatch.setattr(ClipGradByGlobalNorm, "_clip_parameters", refuse)
+    monkeypatch.setattr(ClipGradByGlobalNorm, "_clip", refuse)
+
+
+@pytest.mark.parametrize("name", sorted(FUSED))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_folded_step_is_clip_then_step(name, dtype, forbid_in_place_clip):
+    steps, clip_norm = 5, 1.0
+    ours, theirs = parameters(dtype), parameters(dtype)
+    optimizer = getattr(torchclip.optim, name)(ours, fused=True, grad_clip=ClipGradByGlobalNorm(clip_norm),
+                                               **FUSED[name])
+    reference = getattr(torch.optim, name)(theirs, fused=True, **FUSED[name])
+    for grads in gradient_steps(ours, steps):
+        for p, q, g in zip(ours, theirs, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        optimizer.step()
+        norm = clip_by_hand([q.grad for q in theirs], clip_norm)
+        reference.step()
+        torch.testing.assert_close(optimizer.grad_clip.last_global_norm.double(), norm, rtol=1e-5, atol=0)
+        for p, q in zip(ours, theirs):
+            # The gradients left behind hold the clipped values, as clip-then-step leaves them.
+            torch.testing.assert_close(p.grad, q.grad, **TOLERANCE[dtype])
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p, q, **TOLERANCE[dtype])
+
+
+def test_unclipped_step_is_exactly_the_plain_step():
+    ours, theirs = parameters(), parameters()
+    optimizer = torchclip.optim.AdamW(ours, lr=1e-2, fused=True, grad_clip=ClipGradByGlobalNorm(1e6))
+    reference = torch.optim.AdamW(theirs, lr=1e-2, fused=True)
+    for grads in gradient_steps(ours, 3):
+        for p, q, g in zip(ours, theirs, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        optimizer.step()
+        reference.step()
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p, q)  # grad_scale is exactly 1: dividing by it changes no bit
+
+
+def test_no_fold_without_fused_kernel_or_with_per_tensor_clip():
+    """Non-fused optimizers, clips other than the global norm, and excluded parameters clip in place."""
+    cases = [
+        (torchclip.optim.AdamW, {"foreach": True}, ClipGradByGlobalNorm(1.0)),
+        (torchclip.optim.AdamW, {"fused": True}, ClipGradByNorm(1.0)),
+        (torchclip.optim.AdamW, {"fused": True}, ClipGradByValue(0.5)),
+    ]
+    for cls, kwargs, clip in cases:
+        params = parameters()
+        optimizer = cls(params, lr=1e-2, grad_clip=clip, **kwargs)
+        assert optimizer.grad_clip_attachment.plan_for(optimizer).folded is None
+    params = parameters()
+    torchclip.set_need_clip(params[1], False)
+    optimizer = torchclip.optim.AdamW(params, lr=1e-2, fused=True, grad_clip=ClipGradByGlobalNorm(1.0))
+    assert optimizer.grad_clip_attachment.plan_for(optimizer).folded is None
+    torchclip.set_need_clip(params[1], True)  # a new mark: the plan is rebuilt, and now folds
+    assert optimizer.grad_clip_attachment.plan_for(optimizer).folded is optimizer.grad_clip
+
+
+def test_excluded_parameter_keeps_its_gradient_on_a_fused_optimizer():
+    params, theirs = parameters(), parameters()
+    torchclip.set_need_clip(params[1], False)
+    optimizer = torchclip.optim.Adam(params, lr=1e-2, fused=True, grad_clip=ClipGradByGlobalNorm(1.0))
+    reference = torch.optim.Adam(theirs, lr=1e-2, fused=True)
+    grads = gradient_steps(params, 1)[0]
+    for p, q, g in zip(params, theirs, grads):
+        p.grad, q.grad = g.clone(), g.clone()
+    optimizer.step()
+    clip_by_hand([q.grad for i, q in enumerate(theirs) if i != 1], 1.0)
+    reference.step()
+    assert torch.equal(params[1].grad, grads[1])
+    for p, q in zip(params, theirs):
+        torch.testing.assert_close(p, q, **TOLERANCE[torch.float32])
+
+
+def test_plan_is_cached_and_rebuilt_when_its_sources_change(monkeypatch):
+    built = []
+    original = clip_optim._Plan.__init__
+
+    def counting(self, optimizer, default):
+        built.append(1)
+        original(self, optimizer, default)
+
+    monkeypatch.setattr(clip_optim._Plan, "__init__", counting)
+    params = parameters()
+    optimizer = torchclip.optim.SGD(params[:3], lr=1e-2, fused=True, grad_clip=ClipGradByGlobalNorm(1.0))
+
+    def step():
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+
+    for _ in range(3):
+        step()
+    assert len(built) == 1
+    params[0].grad = None  # which gradients are None needs no new plan: the walk skips them
+    optimizer.step()
+    assert len(built) == 1
+    optimizer.add_param_group({"params": [params[3]]})
+    step()
+    assert len(built) == 2
+    torchclip.set_need_clip(params[2], False)
+    step()
+    assert len(built) == 3
+    torchclip.set_gradient_clip(ClipGradByValue(1.0), param_list=[params[3]])
+    step()
+    assert len(built) == 4
+    torchclip.exclude_from_clipping(torch.nn.Linear(2, 2))
+    step()
+    assert len(built) == 5
+
+
+def test_skip_becomes_found_inf(forbid_in_place_clip):
+    params = parameters()
+    optimizer = torchclip.optim.AdamW(params, lr=1e-2, fused=True,
+                                      grad_clip=ClipGradByGlobalNorm(1.0, nonfinite="skip"))
+    grads = gradient_steps(params, 2)
+    for p, g in zip(params, grads[0]):
+        p.grad = g.clone()
+    optimizer.step()
+    before = [p.detach().clone() for p in params]
+    bad = [g.clone() for g in grads[1]]
+    bad[2][0, 0, 0] = float("inf")
+    for p, g in zip(params, bad):
+        p.grad = g.clone()
+    optimizer.step()
+    for p, b, g in zip(params, before, bad):
+        assert torch.equal(p, b)  # the fused kernel skipped the update
+        assert torch.equal(p.grad, g)  # and left the gradients alone
+    assert all(optimizer.state[p]["step"].item() == 1 for p in params)  # torch rolled the step count back
+    assert optimizer.grad_clip_attachment.skipped_steps == 1
+    assert bool(optimizer.grad_clip.found_nonfinite)
+    assert not hasattr(optimizer, "grad_scale") and not hasattr(optimizer, "found_inf")
+
+
+def test_raise_leaves_gradients_and_parameters_alone():
+    params = parameters()
+    optimizer = torchclip.optim.Adam(params, lr=1e-2, fused=True,
+                                     grad_clip=ClipGradByGlobalNorm(1.0, nonfinite="raise"))
+    grads = gradient_steps(params, 1)[0]
+    grads[0][3, 3] = float("nan")
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(RuntimeError, match="non-finite"):
+        optimizer.step()
+    for p, b, g in zip(params, before, grads):
+        assert torch.equal(p, b)
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0, equal_nan=True)
+
+
+def test_propagate_inf_norm_as_clip_then_step():
+    ours, theirs = parameters(), parameters()
+    optimizer = torchclip.optim.SGD(ours, lr=1e-2, fused=True, grad_clip=ClipGradByGlobalNorm(1.0))
+    reference = torch.optim.SGD(theirs, lr=1e-2, fused=True)
+    grads = gradient_steps(ours, 1)[0]
+    grads[1][0] = float("inf")
+    for p, q, g in zip(ours, theirs, grads):
+        p.grad, q.grad = g.clone(), g.clone()
+    optimizer.step()
+    for q in theirs:  # the coefficient 1 / inf = 0: finite gradients become 0, inf ones NaN
+        q.grad.mul_(0.0)
+    reference.step()
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p, q, equal_nan=True)
+
+
+# ---- GradScaler --------------------------------------------------------------------------------------
+
+
+def scaled_run(dtype, clip, steps, with_inf_at=None, name="AdamW"):
+    """torchclip: GradScaler.step on a fused optimizer with grad_clip=. Returns the parameters."""
+    params = parameters(dtype)
+    optimizer = getattr(torchclip.optim, name)(params, fused=True, grad_clip=clip, **FUSED[name])
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+    scaler.scale(torch.ones(()))  # (creates the scale, as the first scaler.scale(loss) would)
+    scales = []
+    for step, grads in enumerate(gradient_steps(params, steps)):
+        scale = scaler.get_scale()
+        scales.append(scale)
+        for p, g in zip(params, grads):
+            p.grad = (g.double() * scale).to(dtype)
+            if step == with_inf_at and p.dim() == 2:
+                p.grad[0, 0] = float("inf")
+        scaler.step(optimizer)
+        scaler.update()
+    return params, scales
+
+
+def by_hand_run(dtype, clip_in_place, steps, scales, with_inf_at=None, name="AdamW"):
+    """The oracle: scaled gradients unscaled as GradScaler.unscale_ does, the clip, the plain fused step;
+    a step with a non-finite gradient is skipped (the scaler's decision)."""
+    params = parameters(dtype)
+    optimizer = getattr(torch.optim, name)(params, fused=True, **FUSED[name])
+    for step, (grads, scale) in enumerate(zip(gradient_steps(params, steps), scales)):
+        inverse = torch.tensor(scale, dtype=torch.float64).reciprocal().float()
+        for p, g in zip(params, grads):
+            p.grad = (g.double() * scale).to(dtype)
+        if step == with_inf_at:
+            continue
+        torch._foreach_mul_([p.grad for p in params], inverse)
+        clip_in_place([p.grad for p in params])
+        optimizer.step()
+    return params
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_grad_scaler_folded_clip_sees_unscaled_norm(dtype, forbid_in_place_clip):
+    steps = 5
+    clip = ClipGradByGlobalNorm(1.0)
+    ours, scales = scaled_run(dtype, clip, steps, with_inf_at=2)
+    assert scales[3] == scales[2] / 2  # the scaler saw the overflow and backed off
+    theirs = by_hand_run(dtype, lambda grads: clip_by_hand(grads, 1.0), steps, scales, with_inf_at=2)
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p, q, **TOLERANCE[dtype])
+    # The norm the clip reports is the unscaled one.
+    last = [(g.double()) for g in gradient_steps(parameters(dtype), steps)[-1]]
+    expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in last]))
+    torch.testing.assert_close(clip.last_global_norm.double(), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grad_scaler_unfolded_clip_sees_unscaled_gradients(dtype):
+    """A clip that cannot be folded (per element, per tensor) is applied to unscaled gradients."""
+    steps = 4
+    ours, scales = scaled_run(dtype, ClipGradByValue(0.5), steps, with_inf_at=1)
+
+    def clamp(grads):
+        for g in grads:
+            g.clamp_(-0.5, 0.5)
+
+    theirs = by_hand_run(dtype, clamp, steps, scales, with_inf_at=1)
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p, q, **TOLERANCE[dtype])

@@ -1,0 +1,100 @@
+"""The benchmark's measuring tools: the gradients, the interleaved timer, the table."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+
+
+class Grads:
+    """Parameters whose gradients are views into one flat buffer or, with separate=True, copies of
+    those views, each its own allocation (the flat buffer stays, for the bound)."""
+
+    def __init__(self, shape_list, dtype, seed=0, device="cpu", separate=False):
+        sizes = [math.prod(s) for s in shape_list]
+        generator = torch.Generator().manual_seed(seed)
+        self.flat = torch.randn(sum(sizes), generator=generator, dtype=torch.float32).to(device, dtype)
+        self.flat.mul_(1.0 / math.sqrt(max(1, self.flat.numel())))  # total norm ~1
+        self.views = [view.view(shape) for view, shape in zip(torch.split(self.flat, sizes), shape_list)]
+        self.separate = separate
+        self.params = []
+        for view, shape in zip(self.views, shape_list):
+            # On the CPU never touched, so it has no pages; on a GPU it is memory, never read.
+            p = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+            p.grad = view.clone() if separate else view
+            self.params.append(p)
+        self.grads = [p.grad for p in self.params]
+
+    def reset(self):
+        torch.manual_seed(0)
+        self.flat.normal_().mul_(1.0 / math.sqrt(max(1, self.flat.numel())))
+        if self.separate:
+            torch._foreach_copy_(self.grads, self.views)
+
+
+def no_sync() -> None:
+    """The CPU's synchronisation: nothing to wait for (timed()'s default)."""
+
+
+def timed(fn, prepare=None, sync=no_sync) -> float:
+    """Milliseconds of fn(); prepare() runs first, untimed; sync() (a device synchronisation) before
+    the clock starts and before it stops."""
+    if prepare is not None:
+        prepare()
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return (time.perf_counter() - start) * 1e3
+
+
+def balanced_orders(n):
+    """Orders of n candidates in which every candidate runs right after every other one equally often
+    (a Williams design: n rows for even n, 2n for odd). What ran just before a call leaves the caches
+    and the allocator in its own state, and a call pays for it: a rotation (round r starts with
+    candidate r mod n) keeps each candidate's predecessor fixed, so one candidate would always follow
+    the bound's single pass and another always torch's foreach=False loop over 10,000 tensors."""
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    rows = [[(c + shift) % n for c in first] for shift in range(n)]
+    return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
+
+
+def interleave(candidates, rounds, warmup, prepare=None, sync=no_sync):
+    """Medians and spreads (IQR / median) of each candidate, run in balanced_orders(), one order per
+    round in turn; prepare() runs untimed before each call."""
+    for _ in range(warmup):
+        for fn in candidates:
+            timed(fn, prepare, sync)
+    samples = [[] for _ in candidates]
+    orders = balanced_orders(len(candidates))
+    for r in range(rounds):
+        for i in orders[r % len(orders)]:
+            samples[i].append(timed(candidates[i], prepare, sync))
+    out = []
+    for s in samples:
+        s.sort()
+        median = statistics.median(s)
+        q1, q3 = s[len(s) // 4], s[(3 * len(s)) // 4]
+        out.append((median, (q3 - q1) / median if median > 0 else 0.0))
+    return out
+
+
+def format_columns(header: list[str], lines: list[list[str]], left: int) -> str:
+    """A plain-text table: the first `left` columns left-aligned, the rest (numbers) right-aligned."""
+    lines = [header, *lines]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = []
+    for k, line in enumerate(lines):
+        out.append("  ".join(cell.ljust(w) if i < left else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))))
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
