@@ -60,17 +60,16 @@ def candidates(name, grads):
     # candidate alone.
     attachment = torchclip.optim.attach(optimizer, clip)
     attachment.enabled = False
-    target = {"max_norm": 1.0}
 
-    def prepare():
+    def prepare():  # clip.clip_norm is torch's max_norm too: both candidates clip by the same number
         attachment.enabled = False
-        target["max_norm"] = clip.clip_norm = 0.9 * float(torchclip.get_total_norm(grads.grads).double())
+        clip.clip_norm = 0.9 * float(torchclip.get_total_norm(grads.grads).double())
 
     def step_alone():
         optimizer.step()
 
     def torch_clip_step():
-        torch.nn.utils.clip_grad_norm_(params, target["max_norm"])
+        torch.nn.utils.clip_grad_norm_(params, clip.clip_norm)
         optimizer.step()
 
     def torchclip_step():
