@@ -45,4 +45,10 @@ inline const auto& clip_by_tensor_norm_() {
   return op;
 }
 
+inline const auto& unitwise_clip_() {
+  static const auto op =
+      find<void(at::TensorList, at::TensorList, double, double, double)>("torchclip::unitwise_clip_");
+  return op;
+}
+
 }  // namespace torchclip::op_handles

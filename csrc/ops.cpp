@@ -27,6 +27,11 @@ TORCH_LIBRARY(torchclip, m) {
   // ClipGradByNorm); returns the per-tensor norms before clipping (float64). nonfinite as above, for
   // any tensor's norm.
   m.def("clip_by_tensor_norm_(Tensor(a!)[] tensors, float max_norm, str nonfinite=\"propagate\") -> Tensor");
+  // Adaptive gradient clipping (AGC, NFNets), unit-wise: for each output unit u of grads[i] (a row of
+  // the first dimension; the whole tensor when it has at most one), with the same unit of params[i],
+  // max = max(||param_u||, eps) * clip_factor, and grad_u *= max / max(||grad_u||, 1e-6) unless
+  // ||grad_u|| < max (timm's adaptive_clip_grad). Norms of order norm_type > 0, in float64.
+  m.def("unitwise_clip_(Tensor(a!)[] grads, Tensor[] params, float clip_factor, float eps, float norm_type) -> ()");
 }
 
 // Lazily negated or conjugated views reach the kernels as they are: the kernels send every such view
@@ -35,7 +40,7 @@ TORCH_LIBRARY(torchclip, m) {
 namespace {
 void fall_through_every_op(torch::Library& m) {
   for (const char* op : {"multi_tensor_norm", "multi_tensor_scale_", "multi_tensor_clamp_", "clip_grad_norm_",
-           "clip_by_tensor_norm_"}) {
+           "clip_by_tensor_norm_", "unitwise_clip_"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

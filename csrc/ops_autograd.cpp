@@ -82,6 +82,17 @@ at::Tensor clip_by_tensor_norm_autograd(c10::DispatchKeySet ks, at::TensorList t
   return norms;
 }
 
+void unitwise_clip_autograd(c10::DispatchKeySet ks, at::TensorList grads, at::TensorList params, double clip_factor,
+    double eps, double norm_type) {
+  const auto& op = op_handles::unitwise_clip_();
+  check_not_differentiated(grads, "torchclip.unitwise_clip_");
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatch(ks & c10::after_ADInplaceOrView_keyset, grads, params, clip_factor, eps, norm_type);
+  }
+  bump_versions(grads);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchclip, Autograd, m) {
@@ -91,6 +102,7 @@ TORCH_LIBRARY_IMPL(torchclip, Autograd, m) {
   m.impl("multi_tensor_clamp_", &multi_tensor_clamp_autograd);
   m.impl("clip_grad_norm_", &clip_grad_norm_autograd);
   m.impl("clip_by_tensor_norm_", &clip_by_tensor_norm_autograd);
+  m.impl("unitwise_clip_", &unitwise_clip_autograd);
 }
 
 }  // namespace torchclip

@@ -1,5 +1,6 @@
 """The benchmark command's structure (never its timings: this machine is shared and noisy)."""
 
+import importlib.util
 import itertools
 import json
 import subprocess
@@ -161,6 +162,25 @@ def test_step_mode_rows(tmp_path):
     for r in rows:
         assert min(r["step_ms"], r["torch_clip_step_ms"], r["torchclip_step_ms"], r["total_norm_ms"]) > 0
         assert r["torchclip_added_reads"] == pytest.approx((r["torchclip_step_ms"] - r["step_ms"]) / r["total_norm_ms"])
+
+
+def test_adaptive_mode_rows(tmp_path):
+    """--adaptive: every adaptive clip, its ratios derived from the timed candidates; the references that
+    are installed (zclip, autoclip; timm where it is) timed beside it."""
+    out = tmp_path / "adaptive.json"
+    result = subprocess.run([sys.executable, "-m", "torchclip.bench", "--adaptive", "--workload", "2000x64x64",
+                             "--rounds", "3", "--quick", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[1].split()[:4] == ["clip", "workload", "dtype", "thr"]
+    rows = json.loads(out.read_text())["adaptive_rows"]
+    assert [r["clip"] for r in rows] == ["ClipGradByZScore", "ClipGradByQuantile (global)", "ClipGradByUnitwiseNorm"]
+    for r in rows:
+        assert min(r["torchclip_ms"], r["global_norm_ms"], r["bound_ms"]) > 0
+        assert r["bound_ratio"] == pytest.approx(r["torchclip_ms"] / r["bound_ms"])
+        assert r["global_norm_ratio"] == pytest.approx(r["torchclip_ms"] / r["global_norm_ms"])
+    installed = {"ClipGradByZScore": "zclip", "ClipGradByQuantile (global)": "autoclip"}
+    for r in rows[:2]:
+        assert (r["reference_ms"] > 0) == (importlib.util.find_spec(installed[r["clip"]]) is not None)
 
 
 def test_step_mode_refuses_an_unknown_optimizer():

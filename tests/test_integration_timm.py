@@ -60,3 +60,25 @@ def test_timm_agc_is_not_torchclips(kernel_spy):
     with torchclip.patch():
         timm_run("agc", 0.01)
     assert kernel_spy.clips == 0  # adaptive_clip_grad is timm's own
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_clip_grad_by_unitwise_norm_is_timms_agc(memory_format, norm_type):
+    """ClipGradByUnitwiseNorm against timm's own adaptive_clip_grad on a timm model's gradients
+    (channels_last: the conv weights take the per-tensor path, not the fused kernel)."""
+    from timm.utils import adaptive_clip_grad
+
+    torch.manual_seed(0)
+    model = timm.create_model("resnet10t", pretrained=False, num_classes=5).to(memory_format=memory_format)
+    images = torch.randn(4, 3, 32, 32).to(memory_format=memory_format)
+    (torch.nn.functional.cross_entropy(model(images), torch.arange(4)) * 100).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    adaptive_clip_grad(model.parameters(), clip_factor=0.01, eps=1e-3, norm_type=norm_type)
+    expected = [p.grad.clone() for p in model.parameters()]
+    assert sum(not torch.equal(e, g) for e, g in zip(expected, grads)) > 10  # AGC bit on many tensors
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g.clone()
+    torchclip.ClipGradByUnitwiseNorm(clip_factor=0.01, eps=1e-3, norm_type=norm_type)(model.parameters())
+    for p, e in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, e, rtol=2e-6, atol=1e-12)

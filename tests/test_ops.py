@@ -26,6 +26,11 @@ OPCHECK_CASES = {
     "clip_grad_norm_": lambda: ((tensor_list(torch.float32)[1:6], 0.1, 2.0, False),
                                 (tensor_list(torch.float16)[1:6], 0.1, 2.0, False, 0.0, True)),
     "clip_by_tensor_norm_": lambda: ((tensor_list(torch.float64)[1:6], 1.0), (tensor_list(torch.float32)[1:6], 1.0, "skip")),
+    "unitwise_clip_": lambda: (([make_tensor((5, 7), torch.float32, 1), make_tensor((3,), torch.bfloat16, 2)],
+                                [make_tensor((5, 7), torch.float32, 3, 1e-3), make_tensor((3,), torch.float32, 4)],
+                                0.01, 1e-3, 2.0),
+                               ([make_tensor((4, 2, 3), torch.float64, 5).transpose(1, 2)],
+                                [make_tensor((4, 3, 2), torch.float64, 6)], 0.5, 0.0, float("inf"))),
 }
 
 

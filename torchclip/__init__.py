@@ -7,6 +7,7 @@ classes usable as optimizer hooks (torchclip.optim), all on the same fused multi
 
 from torchclip import optim
 from torchclip._ops import cpu_capabilities, get_cpu_capability, set_cpu_capability
+from torchclip.adaptive import ClipGradByNormEMA, ClipGradByQuantile, ClipGradByUnitwiseNorm, ClipGradByZScore
 from torchclip.clip import (
     ClipGradByGlobalNorm,
     ClipGradByNorm,
@@ -27,6 +28,7 @@ from torchclip.clip_grad import (
     get_total_norm,
     patch,
 )
+from torchclip.stats import grad_norm
 
 __version__ = "0.1.0"
 
@@ -34,7 +36,11 @@ __version__ = "0.1.0"
 __all__ = [
     "ClipGradByGlobalNorm",
     "ClipGradByNorm",
+    "ClipGradByNormEMA",
+    "ClipGradByQuantile",
+    "ClipGradByUnitwiseNorm",
     "ClipGradByValue",
+    "ClipGradByZScore",
     "GradientClipByGlobalNorm",
     "GradientClipByNorm",
     "GradientClipByValue",
@@ -47,6 +53,7 @@ __all__ = [
     "exclude_from_clipping",
     "get_cpu_capability",
     "get_total_norm",
+    "grad_norm",
     "optim",
     "patch",
     "set_cpu_capability",

@@ -172,6 +172,17 @@ def _clip_by_tensor_norm_fake(tensors, max_norm, nonfinite="propagate"):
     return tensors[0].new_empty((len(tensors),), dtype=torch.float64)
 
 
+def unitwise_clip_(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor], clip_factor: float, eps: float,
+                   norm_type: float) -> None:
+    """Adaptive gradient clipping, unit-wise (each output unit's gradient norm against its weight's)."""
+    _ops.unitwise_clip_(grads, params, float(clip_factor), float(eps), float(norm_type))
+
+
+@torch.library.register_fake("torchclip::unitwise_clip_")
+def _unitwise_clip_fake(grads, params, clip_factor, eps, norm_type):
+    return None
+
+
 # The devices whose kernels were built: the CPU always, CUDA when torchclip._cuda was (setup.py).
 KERNEL_DEVICES = ("cpu", "cuda") if _C.cuda_built() else ("cpu",)
 

@@ -14,6 +14,7 @@ extern "C" __attribute__((visibility("default"))) const torchclip::cpu::KernelTa
       &torchclip::cpu::tensor_norms,
       &torchclip::cpu::scale,
       &torchclip::cpu::clamp,
+      &torchclip::cpu::unitwise_clip,
   };
   return &table;
 }

@@ -14,7 +14,7 @@
 namespace torchclip::cpu {
 
 // Bumped whenever a struct below changes layout, so a stale kernel library is refused, not misread.
-constexpr int32_t kKernelAbiVersion = 1;
+constexpr int32_t kKernelAbiVersion = 2;
 
 // A dense, non-overlapping run of `numel` elements: either a contiguous tensor or any tensor whose
 // strides are a permutation of contiguous ones. Element order does not matter to any kernel here
@@ -40,6 +40,13 @@ struct KernelTable {
   // spans[i] = min(max(spans[i], lo), hi) in place, one read-write pass. NaN elements stay NaN; a NaN
   // bound makes every element NaN, as torch's clamp_min_/clamp_max_ do.
   void (*clamp)(const TensorSpan* spans, int64_t count, double lo, double hi);
+
+  // Adaptive gradient clipping, unit by unit: for each i, with max = max(||weights[i]||, eps) *
+  // clip_factor (norms of `order`, as tensor_norms computes them), grads[i] *= max / max(||grads[i]||,
+  // 1e-6) unless ||grads[i]|| < max, rounded as scale. weights[i] and grads[i] are one unit (a row) of a
+  // weight and of its gradient; the gradient units must not overlap.
+  void (*unitwise_clip)(const TensorSpan* weights, const TensorSpan* grads, int64_t count, NormOrder order,
+      double clip_factor, double eps);
 };
 
 }  // namespace torchclip::cpu

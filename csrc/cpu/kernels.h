@@ -9,5 +9,7 @@ namespace torchclip::cpu {
 void tensor_norms(const TensorSpan* spans, int64_t count, NormOrder order, double* norms);
 void scale(const TensorSpan* spans, int64_t count, const double* scales);
 void clamp(const TensorSpan* spans, int64_t count, double lo, double hi);
+void unitwise_clip(const TensorSpan* weights, const TensorSpan* grads, int64_t count, NormOrder order,
+    double clip_factor, double eps);
 
 }  // namespace torchclip::cpu

@@ -246,6 +246,78 @@ at::Tensor clip_by_tensor_norm_cpu(at::TensorList tensors, double max_norm, c10:
       nonfinite);
 }
 
+// ---- unit-wise clipping (AGC) ----------------------------------------------------------------------
+
+// A weight's units, as timm's unitwise_norm: rows of the first dimension (the output units of Linear
+// and ConvNd weights), or the whole tensor for 0-d and 1-d tensors (biases, norm-layer gains).
+int64_t unit_count(const at::Tensor& t) {
+  return t.dim() <= 1 ? 1 : t.size(0);
+}
+
+// Unit norms in float64 by ATen, for a pair the kernels do not take (non-contiguous, another dtype).
+at::Tensor aten_unit_norms(const at::Tensor& t, double ord) {
+  std::vector<int64_t> dims;
+  for (int64_t d = 1; d < t.dim(); ++d) {
+    dims.push_back(d);
+  }
+  const at::Tensor norms = t.dim() <= 1 ? at::linalg_vector_norm(t, ord, std::nullopt, false, at::kDouble)
+                                        : at::linalg_vector_norm(t, ord, dims, false, at::kDouble);
+  return norms.reshape({unit_count(t)});
+}
+
+// A contiguous tensor's units as kernel spans, one per row.
+void add_unit_spans(const at::Tensor& t, DType dtype, std::vector<cpu::TensorSpan>& spans) {
+  const int64_t units = unit_count(t);
+  const int64_t inner = units == 0 ? 0 : t.numel() / units;
+  char* data = static_cast<char*>(t.data_ptr());
+  for (int64_t u = 0; u < units; ++u) {
+    spans.push_back({data + u * inner * t.element_size(), inner, dtype});
+  }
+}
+
+void unitwise_clip_cpu(at::TensorList grads, at::TensorList params, double clip_factor, double eps,
+    double norm_type) {
+  constexpr const char* op = "torchclip.unitwise_clip_";
+  TORCH_CHECK(grads.size() == params.size(), op, ": got ", grads.size(), " gradients and ", params.size(),
+      " parameters; they come in pairs");
+  TORCH_CHECK(norm_type > 0, op, ": norm_type must be > 0 (inf allowed), got ", python_float(norm_type));
+  const Split grad_split = split_tensors(grads, op);
+  split_tensors(params, op);  // (the checks only)
+  check_writable(grads, grad_split.aten_path, op);
+  // Pairs whose two tensors are contiguous and of kernel dtypes go to the kernels unit by unit (a row
+  // each); the rest to ATen, tensor by tensor.
+  std::vector<int64_t> kernel_pairs, aten_pairs;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const at::Tensor &g = grads[i], &p = params[i];
+    TORCH_CHECK(g.sizes() == p.sizes(), op, ": grads[", i, "] has shape ", g.sizes(), " but params[", i,
+        "] has shape ", p.sizes());
+    TORCH_CHECK(g.is_floating_point() && p.is_floating_point(), op, ": grads[", i, "] and params[", i,
+        "] must be floating point, got ", g.scalar_type(), " and ", p.scalar_type());
+    const bool kernels_take = g.is_contiguous() && p.is_contiguous() && kernel_dtype(g) && kernel_dtype(p);
+    (kernels_take ? kernel_pairs : aten_pairs).push_back(static_cast<int64_t>(i));
+  }
+  std::vector<cpu::TensorSpan> weight_units, grad_units;
+  for (int64_t i : kernel_pairs) {
+    add_unit_spans(params[i], *kernel_dtype(params[i]), weight_units);
+    add_unit_spans(grads[i], *kernel_dtype(grads[i]), grad_units);
+  }
+  if (!grad_units.empty()) {
+    cpu_kernels().unitwise_clip(weight_units.data(), grad_units.data(), static_cast<int64_t>(grad_units.size()),
+        norm_order(norm_type), clip_factor, eps);
+  }
+  for (int64_t i : aten_pairs) {
+    const at::Tensor& g = grads[i];
+    const at::Tensor max_norm = aten_unit_norms(params[i], norm_type).clamp_min(eps).mul_(clip_factor);
+    const at::Tensor grad_norm = aten_unit_norms(g, norm_type);
+    at::Tensor factors = at::where(grad_norm < max_norm, at::ones_like(grad_norm), max_norm / grad_norm.clamp_min(1e-6));
+    std::vector<int64_t> shape(std::max<int64_t>(g.dim(), 1), 1);
+    shape[0] = unit_count(g);
+    // Multiplied as the kernels do: in float32 for 16/32-bit data, rounded once.
+    factors = factors.to(g.scalar_type() == at::kDouble ? at::kDouble : at::kFloat).reshape(shape);
+    g.mul_(g.dim() == 0 ? factors.reshape({}) : factors);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchclip, CPU, m) {
@@ -254,6 +326,7 @@ TORCH_LIBRARY_IMPL(torchclip, CPU, m) {
   m.impl("multi_tensor_clamp_", &multi_tensor_clamp_cpu);
   m.impl("clip_grad_norm_", &clip_grad_norm_cpu);
   m.impl("clip_by_tensor_norm_", &clip_by_tensor_norm_cpu);
+  m.impl("unitwise_clip_", &unitwise_clip_cpu);
 }
 
 }  // namespace torchclip

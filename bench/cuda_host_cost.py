@@ -1,0 +1,82 @@
+"""Where the host time of a CUDA clip over many small tensors goes (issue 19's "say where the
+remaining time goes"): each op through the drop-in (walk + dispatcher + kernels), the op alone on a
+ready list (no walk), the per-call launch count and the launches' share of the host time, from
+torch.profiler. Run on a machine with a GPU: python bench/cuda_host_cost.py [--workload 10000x100]."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import torchclip
+from torchclip.bench import workloads
+from torchclip.bench.timing import Grads
+
+
+def host_and_total_ms(fn, calls=200):
+    """(host ms per call: calls enqueued back to back, one sync at the end; ms per call synchronised)."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    host, total = [], []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        enqueued = time.perf_counter()
+        torch.cuda.synchronize()
+        host.append((enqueued - start) * 1e3 / calls)
+        start = time.perf_counter()
+        for _ in range(calls // 4):
+            fn()
+            torch.cuda.synchronize()
+        total.append((time.perf_counter() - start) * 1e3 / (calls // 4))
+    return statistics.median(host), statistics.median(total)
+
+
+def launches(fn):
+    """(kernel launches per call, ms of cudaLaunchKernel per call) from torch.profiler."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    count, ms = 0, 0.0
+    for event in prof.key_averages():
+        if event.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"):
+            count += event.count
+            ms += event.cpu_time_total / 1e3
+    return count, ms
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--workload", default="10000x100")
+    args = parser.parse_args()
+    label, shapes = workloads.resolve(args.workload)
+    g = Grads(shapes, torch.float32, device="cuda")
+    ops = torch.ops.torchclip
+    cases = {
+        "clip_grad_norm_ (drop-in)": lambda: torchclip.clip_grad_norm_(g.params, 1e9),
+        "clip_grad_norm_ (op on a list)": lambda: ops.clip_grad_norm_(g.grads, 1e9, 2.0, False, 1e-6, False, "propagate"),
+        "get_total_norm (drop-in)": lambda: torchclip.get_total_norm(g.grads),
+        "multi_tensor_norm (op on a list)": lambda: ops.multi_tensor_norm(g.grads, 2.0, False),
+        "clip_grad_value_ (drop-in)": lambda: torchclip.clip_grad_value_(g.params, 1e9),
+        "multi_tensor_clamp_ (op on a list)": lambda: ops.multi_tensor_clamp_(g.grads, -1e9, 1e9),
+        "ClipGradByNorm": lambda: torchclip.ClipGradByNorm(1e9)(g.params),
+        "torch._foreach_norm (reference)": lambda: torch._foreach_norm(g.grads),
+    }
+    print(f"{label}: {len(shapes)} tensors on {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{'case':38} {'host ms':>8} {'synced ms':>10} {'launches':>9} {'launch ms':>10}")
+    with torch.no_grad():
+        for name, fn in cases.items():
+            host, total = host_and_total_ms(fn)
+            count, launch_ms = launches(fn)
+            print(f"{name:38} {host:8.3f} {total:10.3f} {count:9d} {launch_ms:10.3f}")
+
+
+if __name__ == "__main__":
+    main()

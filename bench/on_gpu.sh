@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One lease of a GPU machine (issue 19): build in place against the machine's torch, run the CUDA tests
+# and the rest of the suite, time the CUDA rows, break down the host cost. Logs go to $OUT (or bench/out).
+#
+#   bench/on_gpu.sh [build] [test] [suite] [bench] [host] [results]   (default: build test bench host)
+#
+# The machine's default compiler wrapper (/opt/gcc/bin/g++) once built a _cuda module that crashed while
+# formatting any error message holding an integer; the system GCC does not.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-bench/out}
+mkdir -p "$out"
+python=${PYTHON:-python3}
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(build test bench host)
+export PYTHONUNBUFFERED=1
+for step in "${steps[@]}"; do
+  case $step in
+    build)
+      nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
+      "$python" -c 'import torch; print("torch", torch.__version__, torch.version.cuda)' | tee -a "$out/gpu.txt"
+      CC=/usr/bin/gcc CXX=/usr/bin/g++ LDSHARED="/usr/bin/g++ -shared" TORCHCLIP_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 \
+        MAX_JOBS=16 "$python" setup.py --quiet build_ext --inplace >"$out/build.log" 2>&1 \
+        || { tail -50 "$out/build.log"; exit 1; }
+      ;;
+    test)
+      "$python" -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log" | tail -15
+      ;;
+    suite)
+      "$python" -m pytest -q -n 8 -p no:cacheprovider tests --ignore tests/test_cuda.py \
+        --ignore tests/test_wheel.py 2>&1 | tee "$out/test_suite.log" | tail -25
+      ;;
+    bench)
+      "$python" -m torchclip.bench --device cuda --workload gpt2_124m --workload resnet50 --workload 10000x100 \
+        --dtype float32 --dtype bfloat16 --rounds 9 --json "$out/bench.json" 2>&1 | tee "$out/bench.txt" | tail -45
+      ;;
+    results)
+      "$python" -m torchclip.bench --device cuda --dtype float32 --dtype bfloat16 --json "$out/results-cuda.json" \
+        --markdown "$out/RESULTS-cuda.md" 2>&1 | tee "$out/results.txt" | tail -60
+      ;;
+    host)
+      "$python" bench/cuda_host_cost.py --workload 10000x100 2>&1 | tee "$out/host_cost.txt"
+      ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done

@@ -1,0 +1,143 @@
+"""torchclip-bench --adaptive: the adaptive clips against their reference packages.
+
+Per clip and workload, four candidates run interleaved (balanced orders, medians, as the clip rows):
+the reference package's own call (zclip 1.0.0's ZClip.step, autoclip 0.2.1's global QuantileClip.step,
+timm's adaptive_clip_grad), torchclip's clip, ClipGradByGlobalNorm (what a fixed threshold costs), and
+the memory bound: one read of the gradients (torch's sum over one buffer), or for ClipGradByUnitwiseNorm
+one read of the weights and of the gradients, which AGC must read. A reference that is not installed
+is left out (its column is empty). The parameters are views of one weight buffer (random, so that AGC
+clips some units), the gradients views of another.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import math
+from dataclasses import dataclass
+
+import torch
+
+import torchclip
+from torchclip.bench import workloads
+from torchclip.bench.timing import Grads, format_columns, interleave, no_sync
+
+CLIPS = ["ClipGradByZScore", "ClipGradByQuantile (global)", "ClipGradByUnitwiseNorm"]
+DEFAULT_WORKLOADS = ["gpt2_124m", "resnet50"]
+
+
+@dataclass
+class AdaptiveRow:
+    clip: str
+    workload: str
+    dtype: str
+    threads: int
+    tensors: int
+    elements: int
+    reference_ms: float  # NaN: the reference package is not installed
+    torchclip_ms: float
+    global_norm_ms: float
+    bound_ms: float
+    speedup: float
+    global_norm_ratio: float
+    bound_ratio: float
+    spread: float
+    device: str = "cpu"
+
+
+def timm_agc():
+    """timm's adaptive_clip_grad, or None where timm is not installed."""
+    try:
+        return importlib.import_module("timm.utils.agc").adaptive_clip_grad
+    except (ImportError, OSError, RuntimeError):  # timm itself, or torchvision, which timm imports
+        return _agc_from_timms_file()
+
+
+def _agc_from_timms_file():
+    """timm's agc.py from its installed files: it needs torch alone, where `import timm` needs torchvision,
+    which may not import beside this torch."""
+    try:
+        path = importlib.metadata.distribution("timm").locate_file("timm/utils/agc.py")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    spec = importlib.util.spec_from_file_location("timm_agc", str(path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.adaptive_clip_grad
+
+
+def reference_for(clip_name, params):
+    """The reference package's call on `params`, or None where the package is not installed."""
+    if clip_name == "ClipGradByZScore":
+        if importlib.util.find_spec("zclip") is None:
+            return None
+        import zclip
+
+        holder = torch.nn.Module()
+        holder.params = torch.nn.ParameterList(params)
+        reference = zclip.ZClip(warmup_steps=2)
+        return lambda: reference.step(holder)
+    if clip_name == "ClipGradByQuantile (global)":
+        if importlib.util.find_spec("autoclip") is None:
+            return None
+        from autoclip.torch import QuantileClip
+
+        return QuantileClip(params, global_threshold=True).step
+    agc = timm_agc()
+    return None if agc is None else (lambda: agc(params, 0.01, 1e-3))
+
+
+def torchclip_clip(clip_name):
+    if clip_name == "ClipGradByZScore":
+        return torchclip.ClipGradByZScore(warmup_steps=2)
+    if clip_name == "ClipGradByQuantile (global)":
+        return torchclip.ClipGradByQuantile(global_threshold=True)
+    return torchclip.ClipGradByUnitwiseNorm(0.01, 1e-3)
+
+
+def candidates(clip_name, grads, weights):
+    """torchclip's clip, ClipGradByGlobalNorm, the bound, and the reference (None if not installed)."""
+    params = grads.params
+    clip, global_norm = torchclip_clip(clip_name), torchclip.ClipGradByGlobalNorm(1.0)
+
+    def bound():
+        if clip_name == "ClipGradByUnitwiseNorm":
+            weights.sum()
+        grads.flat.sum()
+
+    return [lambda: clip(params), lambda: global_norm(params), bound], reference_for(clip_name, params)
+
+
+def run(clip_names, workload_names, dtypes, thread_counts, rounds, warmup, progress, device="cpu"):
+    sync = torch.cuda.synchronize if device == "cuda" else no_sync
+    rows = []
+    jobs = [(c, w, d, t) for c in clip_names for w in workload_names for d in dtypes for t in thread_counts]
+    for done, (clip_name, workload, dtype_name, threads) in enumerate(jobs):
+        label, shape_list = workloads.resolve(workload)
+        progress(done, len(jobs), f"{clip_name} {label} {dtype_name} threads={threads}")
+        torch.set_num_threads(threads)
+        grads = Grads(shape_list, dtypes[dtype_name], device=device)
+        weights = torch.randn(grads.flat.numel(), generator=torch.Generator().manual_seed(1)).to(device, grads.flat.dtype)
+        weights.mul_(0.02)
+        for p, w in zip(grads.params, torch.split(weights, [p.numel() for p in grads.params])):
+            p.data = w.view(p.shape)
+        fns, reference = candidates(clip_name, grads, weights)
+        timings = interleave(fns if reference is None else [*fns, reference], rounds, warmup, None, sync)
+        (t_ours, _), (t_global, _), (t_bound, _) = timings[:3]
+        t_reference = timings[3][0] if reference is not None else math.nan
+        rows.append(AdaptiveRow(clip_name, label, dtype_name, threads, len(shape_list), grads.flat.numel(),
+                                t_reference, t_ours, t_global, t_bound, t_reference / t_ours, t_ours / t_global,
+                                t_ours / t_bound, max(spread for _, spread in timings), device))
+    progress(len(jobs), len(jobs), None)
+    return rows
+
+
+def format_table(rows) -> str:
+    header = ["clip", "workload", "dtype", "thr", "reference ms", "torchclip ms", "GlobalNorm ms", "bound ms",
+              "speed-up", "x GlobalNorm", "x bound", "spread"]
+    return format_columns(header, [
+        [r.clip, r.workload, r.dtype, str(r.threads), "" if math.isnan(r.reference_ms) else f"{r.reference_ms:.3f}",
+         f"{r.torchclip_ms:.3f}", f"{r.global_norm_ms:.3f}", f"{r.bound_ms:.3f}",
+         "" if math.isnan(r.speedup) else f"{r.speedup:.1f}x", f"{r.global_norm_ratio:.2f}", f"{r.bound_ratio:.2f}",
+         f"{100 * r.spread:.0f}%"] for r in rows], left=4)

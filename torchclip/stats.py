@@ -1,0 +1,48 @@
+"""Gradient statistics for logging, from the clipping kernels' own norm pass."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from torchclip import _ops, _sparse
+
+__all__ = ["grad_norm"]
+
+
+def grad_norm(module: torch.nn.Module, norm_type: float | str, group_separator: str = "/") -> dict[str, Tensor]:
+    """Each parameter's gradient norm and their total: a drop-in for Lightning's
+    `lightning.pytorch.utilities.grad_norm`, with its keys (`grad_{p}_norm{sep}{name}` and
+    `grad_{p}_norm_total`, p as a float) and values.
+
+    Lightning runs one norm per parameter and reads each back to the host to build the total; here one
+    fused pass computes every norm (accumulated in float64) and the total, and one device-to-host copy
+    brings them back. Values are 0-d CPU tensors, each in its gradient's (real) dtype (the total in
+    the gradients' promoted dtype), ready for `self.log_dict(...)` without further syncs.
+    """
+    norm_type = float(norm_type)
+    if norm_type <= 0:
+        raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
+    named = [(name, p.grad.detach()) for name, p in module.named_parameters() if p.grad is not None]
+    if not named:
+        return {}
+    grads = [g for _, g in named]
+    with torch.no_grad():
+        if _ops.kernels_serve(grads):
+            norms = _ops.multi_tensor_norm(grads, norm_type, False)[1]
+        else:
+            device = grads[0].device
+            norms = torch.stack([
+                (_sparse.norm64(g, norm_type) if _sparse.is_sparse(g)
+                 else torch.linalg.vector_norm(g, norm_type, dtype=torch.float64)).to(device)
+                for g in grads
+            ])
+        total = torch.linalg.vector_norm(norms, norm_type)
+        on_host = torch.cat([norms, total.reshape(1)]).cpu()  # the one device-to-host copy
+    out = {f"grad_{norm_type}_norm{group_separator}{name}": on_host[i].to(g.dtype.to_real())
+           for i, (name, g) in enumerate(named)}
+    promoted = grads[0].dtype
+    for g in grads[1:]:
+        promoted = torch.promote_types(promoted, g.dtype)
+    out[f"grad_{norm_type}_norm_total"] = on_host[-1].to(promoted.to_real())
+    return out
