@@ -255,7 +255,8 @@ def test_readme_example_runs(tmp_path):
     lambda: ClipGradByQuantile(0.9, 4, global_threshold=True),
     lambda: torchclip.ClipGradByNormEMA(warmup_steps=3),
     lambda: ClipGradByUnitwiseNorm(0.05),
-], ids=["zscore", "quantile", "quantile-global", "norm-ema", "unitwise"])
+    lambda: torchclip.SkipStepOnSpike(torchclip.ClipGradByNormEMA(warmup_steps=2), window=4),
+], ids=["zscore", "quantile", "quantile-global", "norm-ema", "unitwise", "skip-on-spike"])
 def test_cuda_steps_never_wait_for_the_device(make_clip):
     """No host read of a norm during a step: every call, the first one included, under sync debug mode."""
     _, model = model_pair()
@@ -429,3 +430,91 @@ def test_norm_ema_zero_and_nonfinite_gradients():
     clip([w])
     assert torch.isnan(w.grad).any()  # scaled by 0 as torch scales an inf norm: NaN, propagated
     assert torch.equal(clip.gammas, gamma)  # the inf norm left the threshold as it was
+
+
+# ---- SkipStepOnSpike: OLMo-core's rule -------------------------------------------------------------------
+
+
+class OLMoSkipRule:
+    """ai2-olmo-core 3.0.0's SkipStepOptimizer bookkeeping and get_step_factor, gradient-norm half
+    (olmo_core/optim/skip_step_optimizer.py): a list of at most window + 1 norms, the latest last."""
+
+    def __init__(self, window, sigma_factor):
+        self.window, self.sigma_factor, self.norms = window, sigma_factor, []
+
+    def proceeds(self, norm):
+        self.norms.append(torch.tensor(norm, dtype=torch.float64))
+        while len(self.norms) > self.window + 1:
+            self.norms.pop(0)
+        if len(self.norms) < max(2, self.window // 2):
+            return True
+        if len(self.norms) == 2:  # torch warns that one value has no unbiased std; it is NaN
+            return False
+        std, mean = torch.std_mean(torch.stack(self.norms[:-1]))
+        return bool((self.norms[-1] - mean) <= self.sigma_factor * std)
+
+
+@pytest.mark.parametrize("window,sigma_factor", [(128, 6.0), (8, 3.0), (4, 2.0), (3, 1.0)])
+def test_skip_on_spike_decides_as_olmo_core(window, sigma_factor):
+    _, model = model_pair()
+    skip = torchclip.SkipStepOnSpike(window=window, sigma_factor=sigma_factor)
+    reference = OLMoSkipRule(window, sigma_factor)
+    skipped = 0
+    for step, grads in enumerate(gradient_run(model, 150, spikes={10: 30.0, 40: 0.01, 100: 50.0, 140: 80.0})):
+        set_grads(model, grads)
+        skip(model.parameters())
+        expected = not reference.proceeds(skip.last_global_norm.item())
+        assert bool(skip.skip) == expected, step
+        skipped += expected
+        assert torch.equal(model[0].weight.grad, grads[0])  # deciding changes no gradient
+    assert int(skip.skips) == skipped
+    assert 0 < skipped < 150
+
+
+def test_skip_on_spike_skips_the_optimizer_step_and_clips_the_others():
+    _, model = model_pair()
+    _, twin = model_pair()
+    inner = torchclip.ClipGradByGlobalNorm(2.0)
+    optimizer = torchclip.optim.SGD(model.parameters(), lr=0.1,
+                                    grad_clip=torchclip.SkipStepOnSpike(inner, window=8, sigma_factor=3.0))
+    plain = torch.optim.SGD(twin.parameters(), lr=0.1)
+    reference = OLMoSkipRule(8, 3.0)
+    reference_clip = torchclip.ClipGradByGlobalNorm(2.0)
+    skipped = 0
+    for grads in gradient_run(model, 60):
+        set_grads(model, grads)
+        set_grads(twin, grads)
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads])).item()
+        optimizer.step()
+        if reference.proceeds(norm):
+            reference_clip(twin.parameters())
+            plain.step()
+        else:
+            skipped += 1
+        for a, b in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert optimizer.grad_clip_attachment.skipped_steps == skipped > 0
+
+
+def test_skip_on_spike_state_and_arguments():
+    with pytest.raises(ValueError, match="window must be >= 1, got 0"):
+        torchclip.SkipStepOnSpike(window=0)
+    with pytest.raises(ValueError, match="sigma_factor must be a finite number > 0, got -1"):
+        torchclip.SkipStepOnSpike(sigma_factor=-1)
+    with pytest.raises(TypeError, match="clip must be a torchclip clip"):
+        torchclip.SkipStepOnSpike(clip=torch.nn.utils.clip_grad_norm_)
+    _, model = model_pair()
+    straight, restored = torchclip.SkipStepOnSpike(window=6), torchclip.SkipStepOnSpike(window=6)
+    run = list(gradient_run(model, 40))
+    for grads in run[:9]:
+        set_grads(model, grads)
+        straight(model.parameters())
+    buffer = io.BytesIO()
+    torch.save(straight.state_dict(), buffer)
+    buffer.seek(0)
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
+    for grads in run[9:]:
+        set_grads(model, grads)
+        straight(model.parameters())
+        restored(model.parameters())
+        assert bool(straight.skip) == bool(restored.skip)

@@ -7,7 +7,13 @@ classes usable as optimizer hooks (torchclip.optim), all on the same fused multi
 
 from torchclip import optim
 from torchclip._ops import cpu_capabilities, get_cpu_capability, set_cpu_capability
-from torchclip.adaptive import ClipGradByNormEMA, ClipGradByQuantile, ClipGradByUnitwiseNorm, ClipGradByZScore
+from torchclip.adaptive import (
+    ClipGradByNormEMA,
+    ClipGradByQuantile,
+    ClipGradByUnitwiseNorm,
+    ClipGradByZScore,
+    SkipStepOnSpike,
+)
 from torchclip.clip import (
     ClipGradByGlobalNorm,
     ClipGradByNorm,
@@ -45,6 +51,7 @@ __all__ = [
     "GradientClipByNorm",
     "GradientClipByValue",
     "NotATensorError",
+    "SkipStepOnSpike",
     "clip_grad_norm",
     "clip_grad_norm_",
     "clip_grad_value_",

@@ -7,6 +7,10 @@
 * ClipGradByNormEMA: AdaGC (Wang et al., 2025, "AdaGC: Improving Training Stability for Large Language
   Model Pretraining", arXiv:2502.11034), per-tensor clipping against an EMA of each tensor's own
   clipped norms; the paper's algorithm is the specification (no package ships it).
+* SkipStepOnSpike: OLMo-core's spike skip (`olmo_core.optim.SkipStepOptimizer.get_step_factor`,
+  ai2-olmo-core 3.0.0, its gradient-norm half): an optimizer hook skips the step whose global norm is
+  more than sigma_factor standard deviations above the mean of a rolling window; a clip inside it
+  clips the steps that go ahead.
 * ClipGradByUnitwiseNorm: adaptive gradient clipping, AGC (Brock et al., 2021, "High-Performance
   Large-Scale Image Recognition Without Normalization"); timm's `adaptive_clip_grad` is the
   specification. It keeps no state.
@@ -30,7 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from torchclip import _ops
 from torchclip.clip import ClipGradBase, _norm
 
-__all__ = ["ClipGradByNormEMA", "ClipGradByQuantile", "ClipGradByUnitwiseNorm", "ClipGradByZScore"]
+__all__ = ["ClipGradByNormEMA", "ClipGradByQuantile", "ClipGradByUnitwiseNorm", "ClipGradByZScore", "SkipStepOnSpike"]
 
 # The epsilon both references add to the norm in the clip coefficient (torch's clip_grad_norm_'s).
 _COEFFICIENT_EPS = 1e-6
@@ -165,9 +169,9 @@ class ClipGradByZScore(_StatefulClip):
     mean <- alpha * mean + (1 - alpha) * x, var <- alpha * var + (1 - alpha) * (x - mean)^2 (the
     updated mean, as the reference does).
 
-    `last_global_norm` (float64, before clipping) and `last_clip_coef` are the last call's, and
-    `mean`, `var` the statistics, all tensors on the gradients' device. A call with no gradient to
-    clip changes nothing (the reference records a norm of 0 there).
+    `last_global_norm` (float64, before clipping), `last_norms` (per tensor) and `last_clip_coef` are
+    the last call's, and `mean`, `var` the statistics, all tensors on the gradients' device. A call
+    with no gradient to clip changes nothing (the reference records a norm of 0 there).
     """
 
     def __init__(self, alpha: float = 0.97, z_thresh: float = 2.5, max_grad_norm: float | None = 1.0,
@@ -193,6 +197,7 @@ class ClipGradByZScore(_StatefulClip):
         self.mean = torch.zeros((), dtype=torch.float64)
         self.var = torch.zeros((), dtype=torch.float64)
         self.last_global_norm: Tensor | None = None
+        self.last_norms: Tensor | None = None
         self.last_clip_coef: Tensor | None = None
 
     def _clip(self, grads):
@@ -215,7 +220,7 @@ class ClipGradByZScore(_StatefulClip):
         else:
             coefficient = self._after_warmup(norm)
         self.steps += 1
-        self.last_global_norm, self.last_clip_coef = norm, coefficient
+        self.last_norms, self.last_global_norm, self.last_clip_coef = norms, norm, coefficient
         self._record(norm)
         _scale(grads, coefficient)
 
@@ -445,6 +450,73 @@ class ClipGradByNormEMA(_StatefulClip):
     def __repr__(self):
         return (f"{type(self).__name__}(lambda_rel={self.lambda_rel}, beta={self.beta}, "
                 f"warmup_steps={self.warmup_steps}, lambda_abs={self.lambda_abs})")
+
+
+class SkipStepOnSpike(_StatefulClip):
+    r"""Skip the optimizer step on a gradient-norm spike (OLMo-core's rule), optionally clipping too.
+
+    The global L2 norm g_t of the gradients is compared with the norms of up to `window` earlier calls:
+    once at least max(2, window // 2) norms have been seen (this one included), the step is skipped
+    unless g_t - mean <= sigma_factor * std (std unbiased, as torch.std_mean): a spike, a NaN or inf
+    norm, and (as in OLMo-core) a window of one norm, whose std is NaN, all skip. Every norm enters
+    the window, skipped or not. Used as `grad_clip=` on a torchclip.optim optimizer (or
+    torchclip.optim.attach), the hook skips the step (its `skipped_steps` counts them); called
+    directly, it only decides: `skip` holds the last decision (a 0-d bool tensor on the gradients'
+    device) and `skips` the count. `clip`, if given, then runs on the same gradients (every call, so a
+    stateful clip sees every norm).
+    """
+
+    def __init__(self, clip: ClipGradBase | None = None, window: int = 128, sigma_factor: float = 6.0):
+        if clip is not None and not isinstance(clip, ClipGradBase):
+            raise TypeError(f"clip must be a torchclip clip (e.g. ClipGradByGlobalNorm) or None, got {clip!r}")
+        self.clip = clip
+        self.window = _check_count("window", window)
+        self.sigma_factor = _check_positive("sigma_factor", sigma_factor)
+        self.history = torch.full((self.window,), math.nan, dtype=torch.float64)
+        self.count = 0  # norms seen, on the host
+        self.skip: Tensor | None = None
+        self.skips: Tensor | None = None
+        self.last_global_norm: Tensor | None = None
+
+    def _clip_pairs(self, pairs) -> None:
+        if not pairs:
+            self.skip = None
+            return
+        norm = torch.linalg.vector_norm(_tensor_norms([g for _, g in pairs]), 2.0)
+        self.history = self._on(self.history, norm.device)
+        earlier = min(self.count, self.window)
+        if self.count + 1 < max(2, self.window // 2):
+            skip = torch.zeros((), dtype=torch.bool, device=norm.device)
+        elif earlier == 1:  # the std of one norm is NaN, and no comparison with NaN holds: skipped
+            skip = torch.ones((), dtype=torch.bool, device=norm.device)
+        else:
+            std, mean = torch.std_mean(self.history[:earlier])
+            skip = ~((norm - mean) <= self.sigma_factor * std)
+        self.history[self.count % self.window] = norm
+        self.count += 1
+        self.skip, self.last_global_norm = skip, norm
+        self.skips = skip.to(torch.int64) + (0 if self.skips is None else self.skips)
+        self._record(norm)
+        if self.clip is not None:
+            self.clip._clip_pairs([(p, g) for p, g in pairs if self.clip._wants(p)])
+
+    def _step_refused(self) -> Tensor | None:
+        return self.skip
+
+    def _clip(self, grads):  # ClipGradBase's route always comes through _clip_pairs
+        raise AssertionError("SkipStepOnSpike decides through _clip_pairs")
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The window of norms and the count, as tensors (the inner clip's state is its own)."""
+        return {"history": self.history.clone(), "count": torch.tensor(self.count, dtype=torch.int64)}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        _check_state(type(self).__name__, state, {"history": (self.window,), "count": ()})
+        self.history = state["history"].to(self.history.device, torch.float64, copy=True)
+        self.count = int(state["count"])
+
+    def __repr__(self):
+        return f"{type(self).__name__}(clip={self.clip!r}, window={self.window}, sigma_factor={self.sigma_factor})"
 
 
 class ClipGradByUnitwiseNorm(_StatefulClip):

@@ -108,6 +108,11 @@ class ClipGradBase:
         steps = self.nonfinite_steps
         self.nonfinite_steps = found.to(torch.int64) + (0 if steps is None else steps.to(found.device))
 
+    def _step_refused(self) -> Tensor | None:
+        """Whether the last call asks an optimizer hook to skip the step (a 0-d bool tensor), or None:
+        a NaN/inf norm under nonfinite="skip"."""
+        return self.found_nonfinite if self.nonfinite == "skip" else None
+
     def _wants(self, param) -> bool:
         if getattr(param, "need_clip", True) is False:  # the same test as the C++ walk's
             return False

@@ -153,8 +153,9 @@ def _clip_in_place(optimizer, plan: _Plan) -> bool:
     for clip, params in plan.entries:
         clip.found_nonfinite = None  # (a clip whose parameters have no gradient this step meets nothing)
         clip(params)
-        if clip.nonfinite == "skip" and clip.found_nonfinite is not None:
-            proceed &= not bool(clip.found_nonfinite)  # one flag read: a sync on accelerators
+        refused = clip._step_refused()
+        if refused is not None:
+            proceed &= not bool(refused)  # one flag read: a sync on accelerators
     return proceed
 
 
