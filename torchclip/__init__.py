@@ -35,6 +35,7 @@ from torchclip.clip_grad import (
     patch,
 )
 from torchclip.stats import grad_norm
+from torchclip.tf_names import clip_by_global_norm, clip_by_norm, clip_by_value, global_norm
 
 __version__ = "0.1.0"
 
@@ -52,6 +53,9 @@ __all__ = [
     "GradientClipByValue",
     "NotATensorError",
     "SkipStepOnSpike",
+    "clip_by_global_norm",
+    "clip_by_norm",
+    "clip_by_value",
     "clip_grad_norm",
     "clip_grad_norm_",
     "clip_grad_value_",
@@ -60,6 +64,7 @@ __all__ = [
     "exclude_from_clipping",
     "get_cpu_capability",
     "get_total_norm",
+    "global_norm",
     "grad_norm",
     "optim",
     "patch",

@@ -3,6 +3,7 @@
     opt = torchclip.optim.SGD(model.parameters(), lr=0.1, grad_clip=ClipGradByGlobalNorm(1.0))
     opt = torchclip.optim.with_grad_clip(MyOptimizer)(params, ..., grad_clip=clip)   # any class
     handle = torchclip.optim.attach(existing_optimizer, clip)                        # any instance
+    opt = torchclip.optim.AdamW(params, lr=1e-3, global_clipnorm=1.0)   # Keras 3's clipnorm=, clipvalue=, too
 
 The clip runs when optimizer.step() is called, before the update, so it sees what the update will
 use: with step(closure) it runs after the closure has made the gradients (LBFGS: after every
@@ -38,7 +39,14 @@ import torch
 from torch import Tensor
 
 from torchclip import clip as _clip_module
-from torchclip.clip import ClipGradBase, ClipGradByGlobalNorm, GradientClipByGlobalNorm, gradient_clip_of
+from torchclip.clip import (
+    ClipGradBase,
+    ClipGradByGlobalNorm,
+    ClipGradByNorm,
+    ClipGradByValue,
+    GradientClipByGlobalNorm,
+    gradient_clip_of,
+)
 
 __all__ = [
     "SGD",
@@ -329,13 +337,37 @@ def attach(optimizer: torch.optim.Optimizer, grad_clip: ClipGradBase | None = No
     return _Attachment(optimizer, grad_clip)
 
 
+def _keras_clip(grad_clip, **keras) -> ClipGradBase | None:
+    """The clip for Keras 3's optimizer arguments: clipnorm (each gradient by its own norm:
+    g * c / max(||g||, c)), clipvalue (each element into [-c, c]) or global_clipnorm (all gradients by
+    their global norm: g * c / max(global_norm, c)); at most one of them, and not with grad_clip."""
+    given = {name: value for name, value in keras.items() if value is not None}
+    if len(given) > 1:
+        raise ValueError("Only one of clipnorm, clipvalue and global_clipnorm can be set (as in Keras), got "
+                         + ", ".join(f"{name}={value!r}" for name, value in given.items()))
+    if not given:
+        return grad_clip
+    (name, value), = given.items()
+    if grad_clip is not None:
+        raise ValueError(f"grad_clip and {name} both set (grad_clip={grad_clip!r}, {name}={value!r}): give one of them")
+    limit = _clip_module._positive_finite(name, value)
+    if name == "clipnorm":
+        return ClipGradByNorm(limit)
+    if name == "clipvalue":
+        return ClipGradByValue(limit)
+    return ClipGradByGlobalNorm(limit)
+
+
 @functools.cache
 def with_grad_clip(optimizer_class: type) -> type:
-    """A subclass of `optimizer_class` whose constructor takes Paddle's grad_clip= keyword."""
+    """A subclass of `optimizer_class` whose constructor takes Paddle's grad_clip= keyword, or one of
+    Keras 3's clipnorm=, clipvalue=, global_clipnorm=."""
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
 
-    def __init__(self, params, *args, grad_clip: ClipGradBase | None = None, **kwargs):
+    def __init__(self, params, *args, grad_clip: ClipGradBase | None = None, clipnorm: float | None = None,
+                 clipvalue: float | None = None, global_clipnorm: float | None = None, **kwargs):
+        grad_clip = _keras_clip(grad_clip, clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm)
         optimizer_class.__init__(self, params, *args, **kwargs)
         self.grad_clip_attachment = attach(self, grad_clip)
 

@@ -1,0 +1,194 @@
+"""TensorFlow's clipping functions for torch tensors (tf.clip_by_value, tf.clip_by_norm,
+tf.linalg.global_norm, tf.clip_by_global_norm), with TensorFlow 2.x's names, arguments and results.
+
+As TensorFlow's, they are out of place (inputs are never modified) and differentiable, so they clip
+activations as well as gradients. Norms are accumulated in float64 (TensorFlow sums squares in the
+tensors' own dtype, so a float16 norm above 255 or a float32 norm above 1.8e19 overflows there); where
+nothing needs a gradient, a list's norm is one fused pass of torchclip's kernel, and its scaled copies
+one torch._foreach_mul per dtype.
+
+Keras 3's optimizer arguments (clipnorm=, clipvalue=, global_clipnorm=) are in torchclip.optim.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from torchclip import _ops, _sparse
+
+__all__ = ["clip_by_global_norm", "clip_by_norm", "clip_by_value", "global_norm"]
+
+
+def _tensor(name: str, t) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _clip_norm(name: str, value) -> float | Tensor:
+    """A clip norm: a number, or a 0-d tensor (checked where reading it waits for nothing, on the CPU)."""
+    if isinstance(value, Tensor):
+        if value.dim() != 0:
+            raise ValueError(f"{name} must be a number or a 0-d tensor, got a tensor of shape {tuple(value.shape)}")
+        if value.device.type != "cpu":
+            return value
+        number = value.item()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    else:
+        raise TypeError(f"{name} must be a number or a 0-d tensor, got {value!r}")
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return value if isinstance(value, Tensor) else number
+
+
+def _needs_grad(tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _real(dtype: torch.dtype) -> torch.dtype:
+    return dtype.to_real() if dtype.is_complex else dtype
+
+
+def _math_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a factor multiplies `dtype` data in: float32 for 16/32-bit data, as torch's opmath."""
+    return torch.float64 if _real(dtype) == torch.float64 else torch.float32
+
+
+def _scaled(t: Tensor, factor: Tensor) -> Tensor:
+    """t * factor (float64), a new tensor of t's dtype, rounded once."""
+    return (t * factor.to(t.device, _math_dtype(t.dtype))).to(t.dtype)
+
+
+def clip_by_value(t: Tensor, clip_value_min, clip_value_max) -> Tensor:
+    """tf.clip_by_value: t's elements limited to [clip_value_min, clip_value_max], as a new tensor of
+    t's dtype. The bounds are numbers or tensors that broadcast against t; NaN elements stay NaN."""
+    _tensor("t", t)
+    if t.is_complex():
+        raise TypeError(f"clip_by_value: t has dtype {t.dtype}; clipping by value needs real numbers")
+    numbers = [b for b in (clip_value_min, clip_value_max) if not isinstance(b, Tensor)]
+    for name, bound in (("clip_value_min", clip_value_min), ("clip_value_max", clip_value_max)):
+        if not isinstance(bound, (Tensor, int, float)) or isinstance(bound, bool):
+            raise TypeError(f"{name} must be a number or a tensor, got {bound!r}")
+    if len(numbers) == 2 and clip_value_min > clip_value_max:
+        raise ValueError(f"clip_value_min must be <= clip_value_max, got clip_value_min={clip_value_min!r}, "
+                         f"clip_value_max={clip_value_max!r}")
+    if len(numbers) == 2:
+        return torch.clamp(t, clip_value_min, clip_value_max)
+    # Tensor bounds (both, as clamp takes them) in t's dtype, as TensorFlow requires: no type promotion.
+    low, high = (torch.as_tensor(b).to(t.device, t.dtype) for b in (clip_value_min, clip_value_max))
+    return torch.clamp(t, low, high)
+
+
+def _axes(axes, ndim: int) -> tuple[int, ...] | None:
+    if axes is None:
+        return None
+    items = [axes] if isinstance(axes, int) else list(axes) if isinstance(axes, (list, tuple)) else None
+    if items is None or any(isinstance(a, bool) or not isinstance(a, int) for a in items):
+        raise TypeError(f"axes must be an int or a list of ints, got {axes!r}")
+    for a in items:
+        if not -max(ndim, 1) <= a < max(ndim, 1):
+            raise ValueError(f"axes: {a} is out of range for a tensor of {ndim} dimensions (axes={axes!r})")
+    return tuple(a % max(ndim, 1) for a in items)
+
+
+def clip_by_norm(t: Tensor, clip_norm, axes=None) -> Tensor:
+    """tf.clip_by_norm: t * clip_norm / max(||t||, clip_norm), a new tensor of t's dtype. With `axes`
+    (an int or list of ints), the L2 norms are taken over those dimensions, one per remaining slice,
+    and each slice is clipped by its own. A zero tensor stays zero."""
+    _tensor("t", t)
+    clip_norm = _clip_norm("clip_norm", clip_norm)
+    if not (t.is_floating_point() or t.is_complex()):
+        raise TypeError(f"clip_by_norm: t has dtype {t.dtype}; a norm needs a floating point or complex dtype")
+    dims = _axes(axes, t.dim())
+    wide = torch.complex128 if t.is_complex() else torch.float64
+    if dims is None and not _needs_grad([t]) and _ops.kernels_serve([t]) and not _sparse.is_sparse(t):
+        norm = _ops.multi_tensor_norm([t], 2.0, False)[1][0]
+    else:
+        norm = torch.linalg.vector_norm(t, 2.0, dim=dims, keepdim=dims is not None, dtype=wide)
+    limit = clip_norm.to(norm.device, torch.float64) if isinstance(clip_norm, Tensor) else clip_norm
+    return _scaled(t, limit / torch.maximum(norm, torch.as_tensor(limit, dtype=torch.float64, device=norm.device)))
+
+
+def _tensors_of(t_list) -> tuple[list[Tensor], list[int]]:
+    """The tensors of t_list and their positions; None entries are skipped."""
+    if isinstance(t_list, Tensor) or not isinstance(t_list, Sequence) or isinstance(t_list, str):
+        raise TypeError(f"t_list must be a sequence (list or tuple) of tensors, got {type(t_list).__name__}")
+    tensors, positions = [], []
+    for i, t in enumerate(t_list):
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
+            raise TypeError(f"t_list[{i}] must be a torch.Tensor or None, got {type(t).__name__}")
+        tensors.append(t)
+        positions.append(i)
+    return tensors, positions
+
+
+def _global_norm64(tensors: list[Tensor]) -> Tensor:
+    """The L2 norm of all tensors together, float64, on the first tensor's device."""
+    if not _needs_grad(tensors) and _ops.kernels_serve(tensors):
+        norms = _ops.multi_tensor_norm(tensors, 2.0, False)[1]
+    else:
+        device = tensors[0].device
+        norms = torch.stack([
+            (_sparse.norm64(t, 2.0) if _sparse.is_sparse(t) else
+             torch.linalg.vector_norm(t, 2.0, dtype=torch.complex128 if t.is_complex() else torch.float64)).to(device)
+            for t in tensors
+        ])
+    return torch.linalg.vector_norm(norms, 2.0)
+
+
+def _result_dtype(tensors: list[Tensor]) -> torch.dtype:
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return _real(dtype)
+
+
+def global_norm(t_list) -> Tensor:
+    """tf.linalg.global_norm: sqrt(sum of ||t||^2) over the tensors of t_list (None entries ignored), a
+    0-d tensor in their (real) dtype; 0 when there are none."""
+    tensors, _ = _tensors_of(t_list)
+    if not tensors:
+        return torch.tensor(0.0)
+    return _global_norm64(tensors).to(_result_dtype(tensors))
+
+
+def clip_by_global_norm(t_list, clip_norm, use_norm=None) -> tuple[list[Tensor | None], Tensor]:
+    """tf.clip_by_global_norm: (list_clipped, global_norm). Each tensor times
+    clip_norm / max(global_norm, clip_norm); None entries stay None in their place; a NaN or inf
+    global norm makes every clipped tensor NaN, as TensorFlow does. `use_norm` (a number or 0-d
+    tensor) is taken as the global norm instead of computing it, and returned as it was given."""
+    tensors, positions = _tensors_of(t_list)
+    clip_norm = _clip_norm("clip_norm", clip_norm)
+    if use_norm is not None and not (isinstance(use_norm, (int, float, Tensor)) and not isinstance(use_norm, bool)):
+        raise TypeError(f"use_norm must be a number or a 0-d tensor, got {use_norm!r}")
+    if not tensors:
+        return list(t_list), torch.as_tensor(0.0 if use_norm is None else use_norm)
+    device = tensors[0].device
+    norm64 = (_global_norm64(tensors) if use_norm is None
+              else torch.as_tensor(use_norm, dtype=torch.float64).to(device))
+    limit = clip_norm.to(device, torch.float64) if isinstance(clip_norm, Tensor) else clip_norm
+    # TensorFlow's: clip_norm * min(1 / norm, 1 / clip_norm), plus (norm - norm), NaN for inf or NaN.
+    scale = limit * torch.minimum(1.0 / norm64, torch.as_tensor(1.0 / limit, dtype=torch.float64,
+                                                                device=device)) + (norm64 - norm64)
+    out: list[Tensor | None] = list(t_list)
+    if _needs_grad(tensors) or not all(t.layout == torch.strided for t in tensors):
+        for i, t in zip(positions, tensors):
+            out[i] = _scaled(t, scale)
+    else:  # one fused pass per dtype
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for k, t in enumerate(tensors):
+            by_dtype.setdefault(t.dtype, []).append(k)
+        for dtype, members in by_dtype.items():
+            scaled = torch._foreach_mul([tensors[k] for k in members], scale.to(_math_dtype(dtype)))
+            for k, s in zip(members, scaled):
+                out[positions[k]] = s.to(dtype)
+    returned = norm64.to(_result_dtype(tensors)) if use_norm is None else (
+        use_norm if isinstance(use_norm, Tensor) else torch.as_tensor(use_norm))
+    return out, returned
