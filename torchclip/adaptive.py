@@ -49,6 +49,12 @@ def _tensor_norms(grads: list[Tensor]) -> Tensor:
     return torch.stack([_norm(g).to(device, torch.float64) for g in grads])
 
 
+def _grads_and_norms(pairs: list) -> tuple[list[Tensor], Tensor]:
+    """The gradients of (param, grad) pairs and their L2 norms (float64)."""
+    grads = [g for _, g in pairs]
+    return grads, _tensor_norms(grads)
+
+
 def _scale(grads: list[Tensor], scale: Tensor) -> None:
     """grads[i] *= scale (0-d) or scale[i] (1-d), rounded as torch's mul_; a scale of exactly 1 writes
     nothing on the CPU kernels, and a CPU scale of 1 (read without waiting) skips the call."""
@@ -314,8 +320,7 @@ class ClipGradByQuantile(_StatefulClip):
     def _clip_pairs(self, pairs) -> None:
         if not pairs:
             return
-        grads = [g for _, g in pairs]
-        norms = _tensor_norms(grads)
+        grads, norms = _grads_and_norms(pairs)
         device = norms.device
         if self.global_threshold:
             rows = [0]
@@ -407,8 +412,7 @@ class ClipGradByNormEMA(_StatefulClip):
     def _clip_pairs(self, pairs) -> None:
         if not pairs:
             return
-        grads = [g for _, g in pairs]
-        norms = _tensor_norms(grads)
+        grads, norms = _grads_and_norms(pairs)
         device = norms.device
         rows = self._rows_of([p for p, _ in pairs])
         self.gammas = self._on(self.gammas, device)

@@ -281,9 +281,18 @@ void unitwise_clip_cpu(at::TensorList grads, at::TensorList params, double clip_
   TORCH_CHECK(grads.size() == params.size(), op, ": got ", grads.size(), " gradients and ", params.size(),
       " parameters; they come in pairs");
   TORCH_CHECK(norm_type > 0, op, ": norm_type must be > 0 (inf allowed), got ", python_float(norm_type));
-  const Split grad_split = split_tensors(grads, op);
-  split_tensors(params, op);  // (the checks only)
-  check_writable(grads, grad_split.aten_path, op);
+  for (size_t i = 0; i < grads.size(); ++i) {
+    using Named = std::pair<const char*, const at::Tensor&>;
+    for (const auto& [name, t] : {Named{"grads", grads[i]}, Named{"params", params[i]}}) {
+      TORCH_CHECK(t.defined(), op, ": ", name, "[", i, "] is an undefined tensor");
+      TORCH_CHECK(t.device().is_cpu(), op, ": ", name, "[", i, "] is on ", t.device(),
+          "; the CPU kernel takes CPU tensors only");
+      TORCH_CHECK(t.layout() == at::kStrided, op, ": ", name, "[", i, "] has layout ", t.layout(),
+          "; only strided tensors are supported here");
+    }
+    TORCH_CHECK(at::has_internal_overlap(grads[i]) != at::MemOverlap::Yes, op, ": grads[", i,
+        "] has elements that share memory (an expanded view?), so it cannot be modified in place");
+  }
   // Pairs whose two tensors are contiguous and of kernel dtypes go to the kernels unit by unit (a row
   // each); the rest to ATen, tensor by tensor.
   std::vector<int64_t> kernel_pairs, aten_pairs;
