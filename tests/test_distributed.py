@@ -299,3 +299,41 @@ def ddp_worker(rank, world, init_method):
 
 def test_ddp_gradients_need_no_process_group(tmp_path):
     spawn(ddp_worker, 2, rendezvous(tmp_path))
+
+
+# ---- adaptive clips on DTensor gradients: the global (per-tensor) norms, the same decisions everywhere ----
+
+
+ADAPTIVE_CLIPS = {
+    "zscore": lambda: torchclip.ClipGradByZScore(warmup_steps=3, max_grad_norm=None),
+    "quantile": lambda: torchclip.ClipGradByQuantile(0.5, 4),
+    "quantile-global": lambda: torchclip.ClipGradByQuantile(0.5, 4, global_threshold=True),
+    "norm-ema": lambda: torchclip.ClipGradByNormEMA(warmup_steps=3),
+    "skip-on-spike": lambda: torchclip.SkipStepOnSpike(torchclip.ClipGradByGlobalNorm(20.0), window=4),
+}
+
+
+def adaptive_worker(rank, world, init_method):
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        sharded, replicated = full_gradients()
+        placements = [[Shard(0)]] * len(sharded) + [[Replicate()]] * len(replicated)
+        for name, make_clip in ADAPTIVE_CLIPS.items():
+            clip, reference_clip = make_clip(), make_clip()
+            for step, scale in enumerate([1.0, 1.2, 0.9, 1.1, 30.0, 1.0, 0.8]):  # a spike at step 4
+                full = [g * scale * (1 + 0.1 * i * step) for i, g in enumerate(sharded + replicated)]
+                params, reference = dtensor_parameters(full, mesh, placements), plain_parameters(full)
+                clip(params)
+                reference_clip(reference)
+                for p, q in zip(params, reference):
+                    torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-9,
+                                               msg=f"{name}, step {step}")
+                if name == "skip-on-spike":
+                    assert bool(clip.skip) == bool(reference_clip.skip), step
+    finally:
+        dist.destroy_process_group()
+
+
+def test_adaptive_clips_on_dtensor_gradients(tmp_path):
+    spawn(adaptive_worker, 2, rendezvous(tmp_path))

@@ -49,6 +49,13 @@ def sharded_norm(shards, norm_type: float, error_if_nonfinite: bool) -> Tensor:
     return total
 
 
+def global_tensor_norms(shards) -> Tensor:
+    """Each sharded gradient's global L2 norm (float64, CPU, the same on every rank)."""
+    if not _ops.kernels_serve(shards.local, devices=("cpu",)):
+        raise ValueError("sharded gradients: their norms are computed on plain strided CPU shards (gloo) for now")
+    return _distributed().sharded_norms(shards, 2.0, per_tensor=True)[1]
+
+
 def scale_shards(shards, coefficient: Tensor) -> None:
     """Every rank's local gradients times the same coefficient."""
     if shards.local:

@@ -20,7 +20,8 @@ optimizer or a param group, and need_clip all work as for ClipGradByGlobalNorm. 
 float64 tensors on the gradients' device, updated by tensor operations: a step never reads a norm on
 the host (the reference packages call .item() every step). Only the number of calls so far, which the
 host knows, steers control flow (warm-up, the history ring's fill). `state_dict()` holds tensors only,
-and a clip restored from it continues bit for bit.
+and a clip restored from it continues bit for bit. DTensor gradients are clipped by their global norms
+(torchclip.distributed's one all_gather), so every rank keeps the same statistics.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from torchclip import _ops
+from torchclip import _ops, _shards
 from torchclip.clip import ClipGradBase, _norm
 
 __all__ = ["ClipGradByNormEMA", "ClipGradByQuantile", "ClipGradByUnitwiseNorm", "ClipGradByZScore", "SkipStepOnSpike"]
@@ -49,10 +50,14 @@ def _tensor_norms(grads: list[Tensor]) -> Tensor:
     return torch.stack([_norm(g).to(device, torch.float64) for g in grads])
 
 
-def _grads_and_norms(pairs: list) -> tuple[list[Tensor], Tensor]:
-    """The gradients of (param, grad) pairs and their L2 norms (float64)."""
-    grads = [g for _, g in pairs]
-    return grads, _tensor_norms(grads)
+def _targets_and_norms(grads: list[Tensor]) -> tuple[list[Tensor], Tensor]:
+    """(the tensors to scale, each gradient's L2 norm in float64). DTensor gradients (FSDP2, tensor
+    parallelism) are scaled in their local shards, and their norms are the global ones, the same on
+    every rank (one all_gather of the local norms), so every rank takes the same decisions."""
+    shards = _shards.dtensor_shards(grads)
+    if shards is None:
+        return grads, _tensor_norms(grads)
+    return shards.local, _shards.global_tensor_norms(shards)
 
 
 def _scale(grads: list[Tensor], scale: Tensor) -> None:
@@ -209,7 +214,7 @@ class ClipGradByZScore(_StatefulClip):
     def _clip(self, grads):
         if not grads:
             return
-        norms = _tensor_norms(grads)
+        grads, norms = _targets_and_norms(grads)
         device = norms.device
         norm = torch.linalg.vector_norm(norms, 2.0)
         self.warmup_norms = self._on(self.warmup_norms, device)
@@ -320,7 +325,7 @@ class ClipGradByQuantile(_StatefulClip):
     def _clip_pairs(self, pairs) -> None:
         if not pairs:
             return
-        grads, norms = _grads_and_norms(pairs)
+        grads, norms = _targets_and_norms([g for _, g in pairs])
         device = norms.device
         if self.global_threshold:
             rows = [0]
@@ -412,7 +417,7 @@ class ClipGradByNormEMA(_StatefulClip):
     def _clip_pairs(self, pairs) -> None:
         if not pairs:
             return
-        grads, norms = _grads_and_norms(pairs)
+        grads, norms = _targets_and_norms([g for _, g in pairs])
         device = norms.device
         rows = self._rows_of([p for p, _ in pairs])
         self.gammas = self._on(self.gammas, device)
@@ -486,7 +491,7 @@ class SkipStepOnSpike(_StatefulClip):
         if not pairs:
             self.skip = None
             return
-        norm = torch.linalg.vector_norm(_tensor_norms([g for _, g in pairs]), 2.0)
+        norm = torch.linalg.vector_norm(_targets_and_norms([g for _, g in pairs])[1], 2.0)
         self.history = self._on(self.history, norm.device)
         earlier = min(self.count, self.window)
         if self.count + 1 < max(2, self.window // 2):
