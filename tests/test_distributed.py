@@ -70,6 +70,16 @@ def rank_parameters(rank, world):
     return params, pieces
 
 
+def expected_piece(reference, piece, world):
+    """What rank_parameters' piece of the full list `reference` (parameters) holds after clipping."""
+    kind, index, shard = piece
+    if kind == "whole":
+        return reference[index].grad
+    if kind == "slice":
+        return reference[index].grad.chunk(world)[shard]
+    return reference[len(SHAPES) + index].grad
+
+
 def worker(rank, world, init_method, norm_type, max_norm):
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     try:
@@ -86,14 +96,8 @@ def worker(rank, world, init_method, norm_type, max_norm):
         expected_total = torchclip.clip_grad_norm_(reference, max_norm, norm_type)
         total = torchclip.clip_grad_norm_(params, max_norm, norm_type, process_group=dist.group.WORLD)
         torch.testing.assert_close(total, expected_total, rtol=1e-6, atol=0)
-        for p, (kind, index, shard) in zip(params, pieces):
-            if kind == "whole":
-                expected = reference[index].grad
-            elif kind == "slice":
-                expected = reference[index].grad.chunk(world)[shard]
-            else:
-                expected = reference[len(SHAPES) + index].grad
-            torch.testing.assert_close(p.grad, expected, rtol=1e-6, atol=1e-9)
+        for p, piece in zip(params, pieces):
+            torch.testing.assert_close(p.grad, expected_piece(reference, piece, world), rtol=1e-6, atol=1e-9)
         # The Paddle class with a process group: Paddle's formula over the same global norm.
         params, _ = rank_parameters(rank, world)
         clip = torchclip.ClipGradByGlobalNorm(0.5, process_group=dist.group.WORLD)
@@ -337,3 +341,39 @@ def adaptive_worker(rank, world, init_method):
 
 def test_adaptive_clips_on_dtensor_gradients(tmp_path):
     spawn(adaptive_worker, 2, rendezvous(tmp_path))
+
+
+HAND_SHARDED_CLIPS = {
+    "zscore": lambda group: torchclip.ClipGradByZScore(warmup_steps=3, max_grad_norm=None, process_group=group),
+    "quantile-global": lambda group: torchclip.ClipGradByQuantile(0.5, 4, global_threshold=True, process_group=group),
+    "skip-on-spike": lambda group: torchclip.SkipStepOnSpike(window=4, process_group=group),
+}
+
+
+def hand_sharded_adaptive_worker(rank, world, init_method):
+    """ZeRO-style shards (whole tensors round-robin, a flat slice, replicated ones): the global-norm
+    adaptive clips with process_group= take the decisions single-process clipping of the full list takes."""
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    try:
+        sharded, replicated = full_gradients()
+        for name, make_clip in HAND_SHARDED_CLIPS.items():
+            clip, reference_clip = make_clip(dist.group.WORLD), make_clip(None)
+            for step, scale in enumerate([1.0, 1.2, 0.9, 1.1, 30.0, 1.0, 0.8]):
+                params, pieces = rank_parameters(rank, world)
+                for p in params:
+                    p.grad.mul_(scale)
+                reference = plain_parameters([g * scale for g in sharded + replicated])
+                clip(params)
+                reference_clip(reference)
+                last = (lambda c: c.last_norms) if name == "quantile-global" else (lambda c: c.last_global_norm)
+                torch.testing.assert_close(last(clip), last(reference_clip), rtol=1e-12, atol=0)
+                for p, piece in zip(params, pieces):
+                    torch.testing.assert_close(p.grad, expected_piece(reference, piece, world), rtol=1e-6, atol=1e-9,
+                                               msg=f"{name}, step {step}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_adaptive_clips_on_hand_sharded_gradients(world, tmp_path):
+    spawn(hand_sharded_adaptive_worker, world, rendezvous(tmp_path))

@@ -63,7 +63,7 @@ def _targets_and_norms(grads: list[Tensor]) -> tuple[list[Tensor], Tensor]:
 def _scale(grads: list[Tensor], scale: Tensor) -> None:
     """grads[i] *= scale (0-d) or scale[i] (1-d), rounded as torch's mul_; a scale of exactly 1 writes
     nothing on the CPU kernels, and a CPU scale of 1 (read without waiting) skips the call."""
-    if scale.dim() == 0 and scale.device.type == "cpu" and scale.item() == 1.0:
+    if not grads or (scale.dim() == 0 and scale.device.type == "cpu" and scale.item() == 1.0):
         return
     if _ops.kernels_serve(grads):
         _ops.multi_tensor_scale_(grads, scale)
@@ -144,6 +144,20 @@ class _StatefulClip(ClipGradBase):
         # non_blocking: a host-to-device copy that does not wait for the device (the first call's state).
         return tensor if tensor.device == device else tensor.to(device, non_blocking=True)
 
+    # Hand-sharded gradients (torchclip.distributed): the clips that need only the global norm take one.
+    process_group = None
+
+    def _global_norm_of(self, pairs) -> tuple[list[Tensor], Tensor | None, Tensor]:
+        """(the tensors to scale, each gradient's L2 norm or None, the global L2 norm), float64. Hand
+        shards (process_group) give the global norm alone: a tensor's pieces may live on several ranks.
+        With a process group every rank calls, gradients or not: the norm is a collective."""
+        grads = [g for _, g in pairs]
+        if self.process_group is not None:
+            shards = _shards.hand_shards(grads, [p for p, _ in pairs], self.process_group)
+            return shards.local, None, _shards.sharded_norm(shards, 2.0, False)
+        targets, norms = _targets_and_norms(grads)
+        return targets, norms, torch.linalg.vector_norm(norms, 2.0)
+
     def _rows_of(self, params: list[Tensor]) -> list[int]:
         """Each parameter's row in per-parameter state, numbered in the order parameters are first met
         (by identity: tensors compare elementwise). Rows restored by load_state_dict are taken in that
@@ -188,7 +202,7 @@ class ClipGradByZScore(_StatefulClip):
     def __init__(self, alpha: float = 0.97, z_thresh: float = 2.5, max_grad_norm: float | None = 1.0,
                  eps: float = 1e-6, warmup_steps: int = 25, mode: str = "zscore",
                  clip_option: str = "adaptive_scaling", clip_factor: float = 1.0,
-                 skip_update_on_spike: bool = False):
+                 skip_update_on_spike: bool = False, *, process_group=None):
         self.alpha = _check_fraction("alpha", alpha, low_open=True, high_open=True)
         self.z_thresh = _check_positive("z_thresh", z_thresh)
         self.max_grad_norm = None if max_grad_norm is None else _check_positive("max_grad_norm", max_grad_norm)
@@ -203,6 +217,7 @@ class ClipGradByZScore(_StatefulClip):
         if not isinstance(skip_update_on_spike, bool):
             raise TypeError(f"skip_update_on_spike must be a bool, got {skip_update_on_spike!r}")
         self.skip_update_on_spike = skip_update_on_spike
+        self.process_group = process_group
         self.steps = 0  # calls that clipped gradients, counted on the host
         self.warmup_norms = torch.zeros(self.warmup_steps, dtype=torch.float64)
         self.mean = torch.zeros((), dtype=torch.float64)
@@ -211,12 +226,11 @@ class ClipGradByZScore(_StatefulClip):
         self.last_norms: Tensor | None = None
         self.last_clip_coef: Tensor | None = None
 
-    def _clip(self, grads):
-        if not grads:
+    def _clip_pairs(self, pairs) -> None:
+        if not pairs and self.process_group is None:
             return
-        grads, norms = _targets_and_norms(grads)
-        device = norms.device
-        norm = torch.linalg.vector_norm(norms, 2.0)
+        grads, norms, norm = self._global_norm_of(pairs)
+        device = norm.device
         self.warmup_norms = self._on(self.warmup_norms, device)
         self.mean, self.var = self._on(self.mean, device), self._on(self.var, device)
         if self.steps < self.warmup_steps:
@@ -234,6 +248,9 @@ class ClipGradByZScore(_StatefulClip):
         self.last_norms, self.last_global_norm, self.last_clip_coef = norms, norm, coefficient
         self._record(norm)
         _scale(grads, coefficient)
+
+    def _clip(self, grads):  # ClipGradBase's route always comes through _clip_pairs
+        raise AssertionError("ClipGradByZScore clips through _clip_pairs")
 
     def _after_warmup(self, norm: Tensor) -> Tensor:
         """The clip coefficient after warm-up, and the EMA update. In host memory the numbers are read
@@ -309,12 +326,17 @@ class ClipGradByQuantile(_StatefulClip):
     order). `last_norms` holds the last call's norms (per tensor, or the global one).
     """
 
-    def __init__(self, quantile: float = 0.9, history_length: int = 1000, global_threshold: bool = False):
+    def __init__(self, quantile: float = 0.9, history_length: int = 1000, global_threshold: bool = False, *,
+                 process_group=None):
         self.quantile = _check_fraction("quantile", quantile, low_open=False, high_open=False)
         self.history_length = _check_count("history_length", history_length)
         if not isinstance(global_threshold, bool):
             raise TypeError(f"global_threshold must be a bool, got {global_threshold!r}")
         self.global_threshold = global_threshold
+        if process_group is not None and not global_threshold:
+            raise ValueError("ClipGradByQuantile: process_group needs global_threshold=True (a per-parameter history "
+                             "needs each parameter's whole gradient, which hand shards split across ranks)")
+        self.process_group = process_group
         # One row per history (one in global mode; per parameter, in the order first met, otherwise),
         # NaN where nothing was recorded yet; counts[row] on the host: how many norms the row has seen.
         self.history = torch.full((1 if global_threshold else 0, history_length), math.nan, dtype=torch.float64)
@@ -323,16 +345,15 @@ class ClipGradByQuantile(_StatefulClip):
         self.last_norms: Tensor | None = None
 
     def _clip_pairs(self, pairs) -> None:
-        if not pairs:
+        if not pairs and self.process_group is None:
             return
-        grads, norms = _targets_and_norms([g for _, g in pairs])
-        device = norms.device
         if self.global_threshold:
-            rows = [0]
-            observed = torch.linalg.vector_norm(norms, 2.0).reshape(1)
+            grads, _, norm = self._global_norm_of(pairs)
+            rows, observed = [0], norm.reshape(1)
         else:
+            grads, observed = _targets_and_norms([g for _, g in pairs])
             rows = self._rows_of([p for p, _ in pairs])
-            observed = norms
+        device = observed.device
         self.history = self._on(self.history, device)
         thresholds = self._thresholds(rows, device)
         scale = _clip_coefficient(thresholds, observed)
@@ -475,12 +496,14 @@ class SkipStepOnSpike(_StatefulClip):
     stateful clip sees every norm).
     """
 
-    def __init__(self, clip: ClipGradBase | None = None, window: int = 128, sigma_factor: float = 6.0):
+    def __init__(self, clip: ClipGradBase | None = None, window: int = 128, sigma_factor: float = 6.0, *,
+                 process_group=None):
         if clip is not None and not isinstance(clip, ClipGradBase):
             raise TypeError(f"clip must be a torchclip clip (e.g. ClipGradByGlobalNorm) or None, got {clip!r}")
         self.clip = clip
         self.window = _check_count("window", window)
         self.sigma_factor = _check_positive("sigma_factor", sigma_factor)
+        self.process_group = process_group
         self.history = torch.full((self.window,), math.nan, dtype=torch.float64)
         self.count = 0  # norms seen, on the host
         self.skip: Tensor | None = None
@@ -488,10 +511,10 @@ class SkipStepOnSpike(_StatefulClip):
         self.last_global_norm: Tensor | None = None
 
     def _clip_pairs(self, pairs) -> None:
-        if not pairs:
+        if not pairs and self.process_group is None:
             self.skip = None
             return
-        norm = torch.linalg.vector_norm(_targets_and_norms([g for _, g in pairs])[1], 2.0)
+        norm = self._global_norm_of(pairs)[2]
         self.history = self._on(self.history, norm.device)
         earlier = min(self.count, self.window)
         if self.count + 1 < max(2, self.window // 2):
