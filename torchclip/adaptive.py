@@ -15,11 +15,12 @@
   Large-Scale Image Recognition Without Normalization"); timm's `adaptive_clip_grad` is the
   specification. It keeps no state.
 
-Both are ClipGradBase clips: `clip(parameters)`, `clip(pairs)`, `grad_clip=` on a torchclip.optim
+All are ClipGradBase clips: `clip(parameters)`, `clip(pairs)`, `grad_clip=` on a torchclip.optim
 optimizer or a param group, and need_clip all work as for ClipGradByGlobalNorm. Their statistics are
-float64 tensors on the gradients' device, updated by tensor operations: a step never reads a norm on
-the host (the reference packages call .item() every step). Only the number of calls so far, which the
-host knows, steers control flow (warm-up, the history ring's fill). `state_dict()` holds tensors only,
+float64 tensors on the gradients' device, updated by tensor operations there: on a GPU a step never
+reads a norm back to the host (the reference packages call .item() every step); on the CPU, where a
+read waits for nothing, ZScore runs its rule on Python floats. Only the number of calls so far, which
+the host knows, steers control flow (warm-up, the history ring's fill). `state_dict()` holds tensors only,
 and a clip restored from it continues bit for bit. DTensor gradients are clipped by their global norms
 (torchclip.distributed's one all_gather), so every rank keeps the same statistics.
 """
