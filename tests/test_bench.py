@@ -152,9 +152,10 @@ def test_balanced_orders_give_every_candidate_every_predecessor_equally(n):
 def test_step_mode_rows(tmp_path):
     """--step: the four candidates on one optimizer, and the added-cost columns derived from them."""
     out = tmp_path / "steps.json"
+    page = tmp_path / "RESULTS-step.md"
     result = subprocess.run([sys.executable, "-m", "torchclip.bench", "--step", "adamw-fused", "--step", "sgd",
-                             "--workload", "2000x64x64", "--rounds", "3", "--quick", "--json", str(out)],
-                            capture_output=True, text=True, timeout=300)
+                             "--workload", "2000x64x64", "--rounds", "3", "--quick", "--json", str(out),
+                             "--markdown", str(page)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[1].split()[:4] == ["optimizer", "workload", "dtype", "thr"]
     rows = json.loads(out.read_text())["step_rows"]
@@ -162,6 +163,8 @@ def test_step_mode_rows(tmp_path):
     for r in rows:
         assert min(r["step_ms"], r["torch_clip_step_ms"], r["torchclip_step_ms"], r["total_norm_ms"]) > 0
         assert r["torchclip_added_reads"] == pytest.approx((r["torchclip_step_ms"] - r["step_ms"]) / r["total_norm_ms"])
+    text = page.read_text()
+    assert "torchclip-bench --step adamw-fused --step sgd" in text and result.stdout.splitlines()[1] in text
 
 
 def test_adaptive_mode_rows(tmp_path):

@@ -273,6 +273,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.argv = argv if argv is not None else sys.argv[1:]  # the command a results page names
     rounds = args.rounds or (5 if args.quick else 15)
     if args.step:
         return main_step(args, rounds)
@@ -294,7 +295,7 @@ def main(argv=None) -> int:
     if args.plot:
         report.plot(rows, args.plot, header)
     if args.markdown:
-        command = "torchclip-bench " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = "torchclip-bench " + " ".join(args.argv)
         with open(args.markdown, "w") as f:
             f.write(report.markdown_page(rows, table, header, command, args.plot))
     if args.json:
@@ -309,9 +310,15 @@ def main_step(args, rounds) -> int:
     names = args.workload or (QUICK_WORKLOADS if args.quick else step.DEFAULT_WORKLOADS)
     rows = step.run(args.step, names, {d: DTYPES[d] for d in args.dtype or ["float32"]}, args.thread_counts, rounds,
                     warmup=1 if args.quick else 2, progress=make_progress(sys.stderr.isatty()), device=args.device)
-    print(f"torchclip {torchclip.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, device {args.device}; "
-          f"medians of {rounds} interleaved rounds; added = (clip + step - step) / get_total_norm")
-    print(step.format_table(rows))
+    header = (f"torchclip {torchclip.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, device "
+              f"{args.device}; medians of {rounds} interleaved rounds; added = (clip + step - step) / get_total_norm")
+    table = step.format_table(rows)
+    print(header)
+    print(table)
+    if args.markdown:
+        command = "torchclip-bench " + " ".join(args.argv)
+        with open(args.markdown, "w") as f:
+            f.write(report.step_markdown_page(table, header, command))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "device": args.device, "step_rows": [asdict(r) for r in rows]}, f,
