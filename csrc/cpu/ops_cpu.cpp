@@ -318,7 +318,8 @@ void unitwise_clip_cpu(at::TensorList grads, at::TensorList params, double clip_
     const at::Tensor& g = grads[i];
     const at::Tensor max_norm = aten_unit_norms(params[i], norm_type).clamp_min(eps).mul_(clip_factor);
     const at::Tensor grad_norm = aten_unit_norms(g, norm_type);
-    at::Tensor factors = at::where(grad_norm < max_norm, at::ones_like(grad_norm), max_norm / grad_norm.clamp_min(1e-6));
+    at::Tensor factors =
+        at::where(grad_norm < max_norm, at::ones_like(grad_norm), max_norm / grad_norm.clamp_min(1e-6));
     std::vector<int64_t> shape(std::max<int64_t>(g.dim(), 1), 1);
     shape[0] = unit_count(g);
     // Multiplied as the kernels do: in float32 for 16/32-bit data, rounded once.
