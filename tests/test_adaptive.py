@@ -510,3 +510,25 @@ def test_skip_on_spike_arguments():
         torchclip.SkipStepOnSpike(sigma_factor=-1)
     with pytest.raises(TypeError, match="clip must be a torchclip clip"):
         torchclip.SkipStepOnSpike(clip=torch.nn.utils.clip_grad_norm_)
+
+
+@pytest.mark.parametrize("optimizer_class", [torchclip.optim.AdamW, torchclip.optim.SGD])
+def test_skip_on_spike_on_a_fused_optimizer_skips_through_found_inf(optimizer_class, monkeypatch):
+    """On a fused optimizer the refusal reaches the kernel as found_inf: the hook reads no flag (no
+    Tensor.__bool__ during a step), and the steps taken and skipped are the unfused optimizer's."""
+    _, fused_model = model_pair()
+    _, plain_model = model_pair()
+    make = lambda model, fused: optimizer_class(
+        model.parameters(), lr=0.05, fused=fused,
+        grad_clip=torchclip.SkipStepOnSpike(torchclip.ClipGradByGlobalNorm(5.0), window=6, sigma_factor=2.0))
+    fused, plain = make(fused_model, True), make(plain_model, False)
+    for grads in gradient_run(fused_model, 30, spikes={12: 40.0, 20: 60.0}):
+        set_grads(fused_model, grads)
+        set_grads(plain_model, grads)
+        with monkeypatch.context() as patched:
+            patched.setattr(torch.Tensor, "__bool__", lambda self: pytest.fail("a flag was read during a fused step"))
+            fused.step()
+        plain.step()
+        for a, b in zip(fused_model.parameters(), plain_model.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert fused.grad_clip_attachment.skipped_steps == plain.grad_clip_attachment.skipped_steps > 0

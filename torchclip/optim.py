@@ -10,7 +10,8 @@ use: with step(closure) it runs after the closure has made the gradients (LBFGS:
 evaluation), and with torch.amp.GradScaler it sees unscaled gradients and a step GradScaler skips for
 inf/NaN is not clipped. A clip built with nonfinite="skip" that meets a NaN/inf norm leaves the
 gradients alone and the step is skipped (counted in the handle's skipped_steps; with a closure, its
-first evaluation decides, and the step returns its loss).
+first evaluation decides, and the step returns its loss); so is a step SkipStepOnSpike refuses. On a
+fused optimizer the refusal is handed to the kernel as its found_inf instead of being read here.
 
 Folded into fused steps: on torch's fused optimizers (Adam, AdamW, SGD, Adagrad with fused=True), when
 one ClipGradByGlobalNorm serves every parameter, the hook computes the global norm alone and hands
@@ -142,29 +143,35 @@ def _steps_fused(optimizer) -> bool:
         group.get("fused") for group in optimizer.param_groups)
 
 
-def _clip_in_place(optimizer, plan: _Plan) -> bool:
-    """Clip every gradient the plan covers; False when a clip with nonfinite="skip" met a NaN/inf
-    norm, so the step must not run."""
+def _clip_in_place(optimizer, plan: _Plan, on_device: bool = False):
+    """Clip every gradient the plan covers. Returns whether the step may run: False when a clip refused
+    it (nonfinite="skip" met a NaN/inf norm, SkipStepOnSpike met a spike), read on the host; with
+    on_device, the refusal itself, a 0-d bool tensor (None when no clip can refuse), never read."""
     scaler_scale = getattr(optimizer, "grad_scale", None)
     if scaler_scale is not None:
         # GradScaler.step on a fused optimizer: the gradients are still scaled, and found_inf says whether
         # the scaler skips this step. A skipped step is not clipped; otherwise unscale first, as
         # scaler.unscale_ does, so the clip sees true values, and tell the kernel they are unscaled.
         if bool(getattr(optimizer, "found_inf", 0)):  # a host read, as GradScaler's own unfused path makes
-            return True
+            return None if on_device else True
         inverse = scaler_scale.double().reciprocal().float()
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, inverse)
         optimizer.grad_scale = None
-    proceed = True
+    refusals = []
     for clip, params in plan.entries:
         clip.found_nonfinite = None  # (a clip whose parameters have no gradient this step meets nothing)
         clip(params)
         refused = clip._step_refused()
         if refused is not None:
-            proceed &= not bool(refused)  # one flag read: a sync on accelerators
-    return proceed
+            refusals.append(refused)
+    if on_device:
+        if not refusals:
+            return None
+        device = refusals[0].device
+        return torch.stack([r.to(device) for r in refusals]).any()
+    return not any(bool(r) for r in refusals)  # one flag read per clip: a sync on accelerators
 
 
 def _fold_into_step(optimizer, clip: ClipGradByGlobalNorm, params) -> tuple[Tensor, Tensor | None] | None:
@@ -274,7 +281,8 @@ class _Attachment:
 
     @property
     def skipped_steps(self) -> int:
-        """Steps not taken because of a non-finite norm (reading it waits for folded steps' flags)."""
+        """Steps a clip refused (a non-finite norm under nonfinite="skip", a SkipStepOnSpike spike);
+        reading it waits for fused steps' flags."""
         pending = 0 if self._skipped_on_device is None else int(self._skipped_on_device)
         return self._skipped_on_host + pending
 
@@ -284,20 +292,33 @@ class _Attachment:
         return self._plan
 
     def _clip_and_step(self, optimizer, step, skipped_result):
-        """Clip, folded into the step where it can be, and step; `skipped_result` when the step is skipped."""
+        """Clip, folded into the step where it can be, and step; `skipped_result` when the step is skipped.
+        On a fused optimizer a clip's refusal travels as the kernel's found_inf, never read here."""
         plan = self.plan_for(optimizer)
         if plan.folded is not None:
             folding = _fold_into_step(optimizer, plan.folded, plan.entries[0][1])
             if folding is not None:
                 if plan.folded.nonfinite == "skip":
-                    found = plan.folded.found_nonfinite.to(torch.int64)
-                    self._skipped_on_device = found if self._skipped_on_device is None else (
-                        self._skipped_on_device + found.to(self._skipped_on_device.device))
+                    self._count_skips_on_device(plan.folded.found_nonfinite)
                 return _step_with(optimizer, step, *folding)
+        if _steps_fused(optimizer):
+            refusal = _clip_in_place(optimizer, plan, on_device=True)
+            if refusal is None:
+                return step()
+            self._count_skips_on_device(refusal)
+            scaler_found = getattr(optimizer, "found_inf", None)
+            skip = refusal.to(torch.float32)
+            found_inf = skip if scaler_found is None else torch.maximum(scaler_found, skip.to(scaler_found.device))
+            return _step_with(optimizer, step, getattr(optimizer, "grad_scale", None), found_inf)
         if not _clip_in_place(optimizer, plan):
             self._skipped_on_host += 1
             return skipped_result
         return step()
+
+    def _count_skips_on_device(self, found: Tensor) -> None:
+        found = found.to(torch.int64)
+        self._skipped_on_device = found if self._skipped_on_device is None else (
+            self._skipped_on_device + found.to(self._skipped_on_device.device))
 
     def remove(self):
         self.enabled = False
