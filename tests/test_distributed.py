@@ -377,3 +377,35 @@ def hand_sharded_adaptive_worker(rank, world, init_method):
 @pytest.mark.parametrize("world", [2, 4])
 def test_adaptive_clips_on_hand_sharded_gradients(world, tmp_path):
     spawn(hand_sharded_adaptive_worker, world, rendezvous(tmp_path))
+
+
+def agc_dtensor_worker(rank, world, init_method):
+    """ClipGradByUnitwiseNorm on DTensor weights and gradients (rows whole on a rank with Shard(0), split
+    with Shard(1)): torch's DTensor ops reduce each unit across ranks, as single-process AGC does."""
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        generator = torch.Generator().manual_seed(0)
+        shapes = [(8, 6), (6,), (4, 3, 3, 3), (10, 4)]
+        placements = [[Shard(0)], [Replicate()], [Shard(0)], [Shard(1)]]
+        weights = [torch.randn(s, generator=generator) * 0.02 for s in shapes]
+        grads = [torch.randn(s, generator=generator) * 0.01 for s in shapes]
+        params, reference = [], []
+        for w, g, placement in zip(weights, grads, placements):
+            p = torch.nn.Parameter(distribute_tensor(w.clone(), mesh, placement))
+            p.grad = distribute_tensor(g.clone(), mesh, placement)
+            params.append(p)
+            q = torch.nn.Parameter(w.clone())
+            q.grad = g.clone()
+            reference.append(q)
+        torchclip.ClipGradByUnitwiseNorm(0.01)(params)
+        torchclip.ClipGradByUnitwiseNorm(0.01)(reference)
+        assert any(not torch.equal(q.grad, g) for q, g in zip(reference, grads))  # some units clipped
+        for p, q in zip(params, reference):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-9)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_unitwise_norm_on_dtensor_gradients(tmp_path):
+    spawn(agc_dtensor_worker, 2, rendezvous(tmp_path))

@@ -562,8 +562,9 @@ class ClipGradByUnitwiseNorm(_StatefulClip):
 
     On the CPU one fused op reads every weight and gradient once (all units of all parameters in one
     norm pass) and writes only the units it clips; timm's `adaptive_clip_grad` runs about nine ops per
-    parameter with two full-size temporaries. Elsewhere (CUDA, subclasses) the same rule runs as
-    per-parameter torch ops.
+    parameter with two full-size temporaries. Elsewhere (CUDA, DTensors, subclasses) the same rule runs
+    as per-parameter torch ops, out of place where DTensor needs it (an in-place clamp of a partial
+    reduction has no sharding strategy).
     """
 
     def __init__(self, clip_factor: float = 0.01, eps: float = 1e-3, norm_type: float = 2.0):
@@ -587,7 +588,7 @@ class ClipGradByUnitwiseNorm(_StatefulClip):
                 raise ValueError(f"ClipGradByUnitwiseNorm: a gradient of shape {tuple(g.shape)} belongs to a "
                                  f"parameter of shape {tuple(p.shape)}")
         for p, g in zip(params, grads):
-            max_norm = _unit_norms(p, self.norm_type).clamp_(min=self.eps).mul_(self.clip_factor)
+            max_norm = _unit_norms(p, self.norm_type).clamp(min=self.eps) * self.clip_factor
             grad_norm = _unit_norms(g, self.norm_type)
             factor = torch.where(grad_norm < max_norm, torch.ones_like(grad_norm), max_norm / grad_norm.clamp(min=1e-6))
             g.mul_(factor.to(g.device, torch.float64 if g.dtype == torch.float64 else torch.float32))
