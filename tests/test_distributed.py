@@ -125,17 +125,19 @@ def test_sharded_clipping_equals_single_process_clipping(world, norm_type, tmp_p
 DTENSOR_NORM_TYPES = [2.0, 1.0, math.inf, 3.0, 0.0, -1.0, -math.inf]
 
 
-def dtensor_parameters(full, mesh, placements):
+def dtensor_parameters(full, mesh, placements, weights=None):
     params = []
-    for g, placement in zip(full, placements):
-        p = torch.nn.Parameter(distribute_tensor(torch.zeros_like(g), mesh, placement))
+    for i, (g, placement) in enumerate(zip(full, placements)):
+        w = torch.zeros_like(g) if weights is None else weights[i].clone()
+        p = torch.nn.Parameter(distribute_tensor(w, mesh, placement))
         p.grad = distribute_tensor(g.clone(), mesh, placement)
         params.append(p)
     return params
 
 
-def plain_parameters(full):
-    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in full]
+def plain_parameters(full, weights=None):
+    params = [torch.nn.Parameter(torch.zeros_like(g) if weights is None else w.clone())
+              for g, w in zip(full, weights or full)]
     for p, g in zip(params, full):
         p.grad = g.clone()
     return params
@@ -390,14 +392,8 @@ def agc_dtensor_worker(rank, world, init_method):
         placements = [[Shard(0)], [Replicate()], [Shard(0)], [Shard(1)]]
         weights = [torch.randn(s, generator=generator) * 0.02 for s in shapes]
         grads = [torch.randn(s, generator=generator) * 0.01 for s in shapes]
-        params, reference = [], []
-        for w, g, placement in zip(weights, grads, placements):
-            p = torch.nn.Parameter(distribute_tensor(w.clone(), mesh, placement))
-            p.grad = distribute_tensor(g.clone(), mesh, placement)
-            params.append(p)
-            q = torch.nn.Parameter(w.clone())
-            q.grad = g.clone()
-            reference.append(q)
+        params = dtensor_parameters(grads, mesh, placements, weights)
+        reference = plain_parameters(grads, weights)
         torchclip.ClipGradByUnitwiseNorm(0.01)(params)
         torchclip.ClipGradByUnitwiseNorm(0.01)(reference)
         assert any(not torch.equal(q.grad, g) for q, g in zip(reference, grads))  # some units clipped
