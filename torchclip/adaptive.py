@@ -34,21 +34,12 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torchclip import _ops, _shards
-from torchclip.clip import ClipGradBase, _norm
+from torchclip.clip import ClipGradBase, _tensor_norms
 
 __all__ = ["ClipGradByNormEMA", "ClipGradByQuantile", "ClipGradByUnitwiseNorm", "ClipGradByZScore", "SkipStepOnSpike"]
 
 # The epsilon both references add to the norm in the clip coefficient (torch's clip_grad_norm_'s).
 _COEFFICIENT_EPS = 1e-6
-
-
-def _tensor_norms(grads: list[Tensor]) -> Tensor:
-    """Each gradient's L2 norm, float64, on the first gradient's device: one fused pass where the
-    kernels serve the list."""
-    if _ops.kernels_serve(grads):
-        return _ops.multi_tensor_norm(grads, 2.0, False)[1]
-    device = grads[0].device
-    return torch.stack([_norm(g).to(device, torch.float64) for g in grads])
 
 
 def _targets_and_norms(grads: list[Tensor]) -> tuple[list[Tensor], Tensor]:

@@ -78,6 +78,20 @@ def _norm(g: Tensor) -> Tensor:
     return torch.linalg.vector_norm(g, 2.0, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
 
 
+def _tensor_norms(tensors: list[Tensor], ord: float = 2.0) -> Tensor:
+    """Each tensor's `ord`-norm in float64, on the first tensor's device: one fused kernel pass where
+    the kernels serve the list and nothing needs a gradient; else one norm per tensor, differentiable
+    (in float64, complex128 for complex data; sparse COO by its values)."""
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) and _ops.kernels_serve(tensors):
+        return _ops.multi_tensor_norm(tensors, ord, False)[1]
+    device = tensors[0].device
+    return torch.stack([
+        (_sparse.norm64(t, ord) if _sparse.is_sparse(t) else
+         torch.linalg.vector_norm(t, ord, dtype=torch.complex128 if t.is_complex() else torch.float64)).to(device)
+        for t in tensors
+    ])
+
+
 def _policy(nonfinite) -> str:
     if nonfinite not in _NONFINITE_POLICIES:
         raise ValueError(f"nonfinite must be one of {_NONFINITE_POLICIES}, got {nonfinite!r}")

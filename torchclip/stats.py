@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from torchclip import _ops, _sparse
+from torchclip import _ops
+from torchclip.clip import _tensor_norms
 
 __all__ = ["grad_norm"]
 
@@ -28,21 +29,10 @@ def grad_norm(module: torch.nn.Module, norm_type: float | str, group_separator: 
         return {}
     grads = [g for _, g in named]
     with torch.no_grad():
-        if _ops.kernels_serve(grads):
-            norms = _ops.multi_tensor_norm(grads, norm_type, False)[1]
-        else:
-            device = grads[0].device
-            norms = torch.stack([
-                (_sparse.norm64(g, norm_type) if _sparse.is_sparse(g)
-                 else torch.linalg.vector_norm(g, norm_type, dtype=torch.float64)).to(device)
-                for g in grads
-            ])
+        norms = _tensor_norms(grads, norm_type)
         total = torch.linalg.vector_norm(norms, norm_type)
         on_host = torch.cat([norms, total.reshape(1)]).cpu()  # the one device-to-host copy
     out = {f"grad_{norm_type}_norm{group_separator}{name}": on_host[i].to(g.dtype.to_real())
            for i, (name, g) in enumerate(named)}
-    promoted = grads[0].dtype
-    for g in grads[1:]:
-        promoted = torch.promote_types(promoted, g.dtype)
-    out[f"grad_{norm_type}_norm_total"] = on_host[-1].to(promoted.to_real())
+    out[f"grad_{norm_type}_norm_total"] = on_host[-1].to(_ops.total_norm_dtype(grads))
     return out

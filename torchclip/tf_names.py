@@ -18,7 +18,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from torchclip import _ops, _sparse
+from torchclip import _ops
+from torchclip.clip import _tensor_norms
 
 __all__ = ["clip_by_global_norm", "clip_by_norm", "clip_by_value", "global_norm"]
 
@@ -50,13 +51,9 @@ def _needs_grad(tensors) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _real(dtype: torch.dtype) -> torch.dtype:
-    return dtype.to_real() if dtype.is_complex else dtype
-
-
 def _math_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype a factor multiplies `dtype` data in: float32 for 16/32-bit data, as torch's opmath."""
-    return torch.float64 if _real(dtype) == torch.float64 else torch.float32
+    return torch.float64 if dtype.to_real() == torch.float64 else torch.float32
 
 
 def _scaled(t: Tensor, factor: Tensor) -> Tensor:
@@ -106,10 +103,10 @@ def clip_by_norm(t: Tensor, clip_norm, axes=None) -> Tensor:
         raise TypeError(f"clip_by_norm: t has dtype {t.dtype}; a norm needs a floating point or complex dtype")
     dims = _axes(axes, t.dim())
     wide = torch.complex128 if t.is_complex() else torch.float64
-    if dims is None and not _needs_grad([t]) and _ops.kernels_serve([t]) and not _sparse.is_sparse(t):
-        norm = _ops.multi_tensor_norm([t], 2.0, False)[1][0]
+    if dims is None:
+        norm = _tensor_norms([t])[0]
     else:
-        norm = torch.linalg.vector_norm(t, 2.0, dim=dims, keepdim=dims is not None, dtype=wide)
+        norm = torch.linalg.vector_norm(t, 2.0, dim=dims, keepdim=True, dtype=wide)
     limit = clip_norm.to(norm.device, torch.float64) if isinstance(clip_norm, Tensor) else clip_norm
     return _scaled(t, limit / torch.maximum(norm, torch.as_tensor(limit, dtype=torch.float64, device=norm.device)))
 
@@ -131,23 +128,7 @@ def _tensors_of(t_list) -> tuple[list[Tensor], list[int]]:
 
 def _global_norm64(tensors: list[Tensor]) -> Tensor:
     """The L2 norm of all tensors together, float64, on the first tensor's device."""
-    if not _needs_grad(tensors) and _ops.kernels_serve(tensors):
-        norms = _ops.multi_tensor_norm(tensors, 2.0, False)[1]
-    else:
-        device = tensors[0].device
-        norms = torch.stack([
-            (_sparse.norm64(t, 2.0) if _sparse.is_sparse(t) else
-             torch.linalg.vector_norm(t, 2.0, dtype=torch.complex128 if t.is_complex() else torch.float64)).to(device)
-            for t in tensors
-        ])
-    return torch.linalg.vector_norm(norms, 2.0)
-
-
-def _result_dtype(tensors: list[Tensor]) -> torch.dtype:
-    dtype = tensors[0].dtype
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return _real(dtype)
+    return torch.linalg.vector_norm(_tensor_norms(tensors), 2.0)
 
 
 def global_norm(t_list) -> Tensor:
@@ -156,7 +137,7 @@ def global_norm(t_list) -> Tensor:
     tensors, _ = _tensors_of(t_list)
     if not tensors:
         return torch.tensor(0.0)
-    return _global_norm64(tensors).to(_result_dtype(tensors))
+    return _global_norm64(tensors).to(_ops.total_norm_dtype(tensors))
 
 
 def clip_by_global_norm(t_list, clip_norm, use_norm=None) -> tuple[list[Tensor | None], Tensor]:
@@ -189,6 +170,6 @@ def clip_by_global_norm(t_list, clip_norm, use_norm=None) -> tuple[list[Tensor |
             scaled = torch._foreach_mul([tensors[k] for k in members], scale.to(_math_dtype(dtype)))
             for k, s in zip(members, scaled):
                 out[positions[k]] = s.to(dtype)
-    returned = norm64.to(_result_dtype(tensors)) if use_norm is None else (
+    returned = norm64.to(_ops.total_norm_dtype(tensors)) if use_norm is None else (
         use_norm if isinstance(use_norm, Tensor) else torch.as_tensor(use_norm))
     return out, returned

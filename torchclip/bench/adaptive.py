@@ -20,8 +20,7 @@ from dataclasses import dataclass
 import torch
 
 import torchclip
-from torchclip.bench import workloads
-from torchclip.bench.timing import Grads, format_columns, interleave, no_sync
+from torchclip.bench.timing import each_job, format_columns, interleave, no_sync
 
 CLIPS = ["ClipGradByZScore", "ClipGradByQuantile (global)", "ClipGradByUnitwiseNorm"]
 DEFAULT_WORKLOADS = ["gpt2_124m", "resnet50"]
@@ -112,12 +111,8 @@ def candidates(clip_name, grads, weights):
 def run(clip_names, workload_names, dtypes, thread_counts, rounds, warmup, progress, device="cpu"):
     sync = torch.cuda.synchronize if device == "cuda" else no_sync
     rows = []
-    jobs = [(c, w, d, t) for c in clip_names for w in workload_names for d in dtypes for t in thread_counts]
-    for done, (clip_name, workload, dtype_name, threads) in enumerate(jobs):
-        label, shape_list = workloads.resolve(workload)
-        progress(done, len(jobs), f"{clip_name} {label} {dtype_name} threads={threads}")
-        torch.set_num_threads(threads)
-        grads = Grads(shape_list, dtypes[dtype_name], device=device)
+    for clip_name, label, dtype_name, threads, grads in each_job(clip_names, workload_names, dtypes, thread_counts,
+                                                                 progress, device):
         weights = torch.randn(grads.flat.numel(), generator=torch.Generator().manual_seed(1)).to(device, grads.flat.dtype)
         weights.mul_(0.02)
         for p, w in zip(grads.params, torch.split(weights, [p.numel() for p in grads.params])):
@@ -126,10 +121,9 @@ def run(clip_names, workload_names, dtypes, thread_counts, rounds, warmup, progr
         timings = interleave(fns if reference is None else [*fns, reference], rounds, warmup, None, sync)
         (t_ours, _), (t_global, _), (t_bound, _) = timings[:3]
         t_reference = timings[3][0] if reference is not None else math.nan
-        rows.append(AdaptiveRow(clip_name, label, dtype_name, threads, len(shape_list), grads.flat.numel(),
+        rows.append(AdaptiveRow(clip_name, label, dtype_name, threads, len(grads.params), grads.flat.numel(),
                                 t_reference, t_ours, t_global, t_bound, t_reference / t_ours, t_ours / t_global,
                                 t_ours / t_bound, max(spread for _, spread in timings), device))
-    progress(len(jobs), len(jobs), None)
     return rows
 
 

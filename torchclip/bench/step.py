@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 
 import torchclip
-from torchclip.bench import workloads
-from torchclip.bench.timing import Grads, format_columns, interleave, no_sync
+from torchclip.bench.timing import each_job, format_columns, interleave, no_sync
 
 # name -> (torch.optim class, keyword arguments); lr is small so that the parameters barely move.
 OPTIMIZERS = {
@@ -86,20 +85,15 @@ def run(optimizer_names, workload_names, dtypes, thread_counts, rounds, warmup, 
     """One StepRow per optimizer x workload x dtype x thread count; `dtypes` maps names to torch dtypes."""
     sync = torch.cuda.synchronize if device == "cuda" else no_sync
     rows = []
-    jobs = [(o, w, d, t) for o in optimizer_names for w in workload_names for d in dtypes for t in thread_counts]
-    for done, (name, workload, dtype_name, threads) in enumerate(jobs):
-        label, shape_list = workloads.resolve(workload)
-        progress(done, len(jobs), f"{name} {label} {dtype_name} threads={threads}")
-        grads = Grads(shape_list, dtypes[dtype_name], device=device)
-        torch.set_num_threads(threads)
+    for name, label, dtype_name, threads, grads in each_job(optimizer_names, workload_names, dtypes, thread_counts,
+                                                            progress, device):
         fns, prepare = candidates(name, grads)
         timings = interleave(fns, rounds, warmup, prepare, sync)
         (t_step, _), (t_torch, _), (t_ours, _), (t_norm, _) = timings
-        rows.append(StepRow(name, label, dtype_name, threads, len(shape_list), grads.flat.numel(), t_step, t_torch,
+        rows.append(StepRow(name, label, dtype_name, threads, len(grads.params), grads.flat.numel(), t_step, t_torch,
                             t_ours, t_norm, (t_torch - t_step) / t_norm, (t_ours - t_step) / t_norm,
                             max(spread for _, spread in timings), device))
         del grads
-    progress(len(jobs), len(jobs), None)
     return rows
 
 

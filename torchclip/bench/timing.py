@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from torchclip.bench import workloads
+
 
 class Grads:
     """Parameters whose gradients are views into one flat buffer or, with separate=True, copies of
@@ -33,6 +35,19 @@ class Grads:
         self.flat.normal_().mul_(1.0 / math.sqrt(max(1, self.flat.numel())))
         if self.separate:
             torch._foreach_copy_(self.grads, self.views)
+
+
+def each_job(names, workload_names, dtypes, thread_counts, progress, device="cpu"):
+    """The jobs of a mode that times one thing per name (an optimizer, a clip): yields (name, workload
+    label, dtype name, thread count, Grads) for every combination, `dtypes` mapping names to torch
+    dtypes, with the thread count set and progress reported."""
+    jobs = [(n, w, d, t) for n in names for w in workload_names for d in dtypes for t in thread_counts]
+    for done, (name, workload, dtype_name, threads) in enumerate(jobs):
+        label, shape_list = workloads.resolve(workload)
+        progress(done, len(jobs), f"{name} {label} {dtype_name} threads={threads}")
+        torch.set_num_threads(threads)
+        yield name, label, dtype_name, threads, Grads(shape_list, dtypes[dtype_name], device=device)
+    progress(len(jobs), len(jobs), None)
 
 
 def no_sync() -> None:
