@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/string_view.h>
 
+#include <optional>
 #include <tuple>
 
 namespace torchclip::op_handles {
@@ -48,6 +49,13 @@ inline const auto& clip_by_tensor_norm_() {
 inline const auto& unitwise_clip_() {
   static const auto op =
       find<void(at::TensorList, at::TensorList, double, double, double)>("torchclip::unitwise_clip_");
+  return op;
+}
+
+inline const auto& adam_step_() {
+  static const auto op = find<at::Tensor(at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList,
+      at::TensorList, double, double, double, double, double, bool, bool, bool, const std::optional<at::Tensor>&,
+      const std::optional<at::Tensor>&)>("torchclip::adam_step_");
   return op;
 }
 

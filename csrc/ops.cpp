@@ -32,6 +32,17 @@ TORCH_LIBRARY(torchclip, m) {
   // max = max(||param_u||, eps) * clip_factor, and grad_u *= max / max(||grad_u||, 1e-6) unless
   // ||grad_u|| < max (timm's adaptive_clip_grad). Norms of order norm_type > 0, in float64.
   m.def("unitwise_clip_(Tensor(a!)[] grads, Tensor[] params, float clip_factor, float eps, float norm_type) -> ()");
+  // One step of torch.optim.Adam (AdamW with decoupled_weight_decay) with torch's fused CPU arithmetic,
+  // state_steps counted up by one first, each gradient divided by grad_scale as it is read and never
+  // written (torch's fused kernel writes the quotient back); found_inf == 1 leaves everything as it
+  // was, counts included (torch's step adds one, then takes found_inf off). Returns a 0-d bool: false,
+  // with nothing written, when the kernels do not walk the lists (a tensor off the CPU or of another
+  // dtype, state in another element order than its parameter, a scale or step that is not a float32
+  // CPU number); the caller then takes torch's own step.
+  m.def("adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+        "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] state_steps, *, float lr, float beta1, float beta2, "
+        "float weight_decay, float eps, bool amsgrad, bool maximize, bool decoupled_weight_decay, "
+        "Tensor? grad_scale=None, Tensor? found_inf=None) -> Tensor");
 }
 
 // Lazily negated or conjugated views reach the kernels as they are: the kernels send every such view
@@ -40,7 +51,7 @@ TORCH_LIBRARY(torchclip, m) {
 namespace {
 void fall_through_every_op(torch::Library& m) {
   for (const char* op : {"multi_tensor_norm", "multi_tensor_scale_", "multi_tensor_clamp_", "clip_grad_norm_",
-           "clip_by_tensor_norm_", "unitwise_clip_"}) {
+           "clip_by_tensor_norm_", "unitwise_clip_", "adam_step_"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

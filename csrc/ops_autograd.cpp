@@ -93,6 +93,27 @@ void unitwise_clip_autograd(c10::DispatchKeySet ks, at::TensorList grads, at::Te
   bump_versions(grads);
 }
 
+at::Tensor adam_step_autograd(c10::DispatchKeySet ks, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList state_steps, double lr, double beta1,
+    double beta2, double weight_decay, double eps, bool amsgrad, bool maximize, bool decoupled_weight_decay,
+    const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  const auto& op = op_handles::adam_step_();
+  check_not_differentiated(params, "torchclip.adam_step_");
+  at::Tensor stepped;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    stepped = op.redispatch(ks & c10::after_ADInplaceOrView_keyset, params, grads, exp_avgs, exp_avg_sqs,
+        max_exp_avg_sqs, state_steps, lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, decoupled_weight_decay,
+        grad_scale, found_inf);
+  }
+  // Bumped whether or not the kernels stepped: reading the flag here would be data-dependent under
+  // tracing, and an extra bump only says "maybe modified".
+  for (at::TensorList written : {params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps}) {
+    bump_versions(written);
+  }
+  return stepped;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchclip, Autograd, m) {
@@ -103,6 +124,7 @@ TORCH_LIBRARY_IMPL(torchclip, Autograd, m) {
   m.impl("clip_grad_norm_", &clip_grad_norm_autograd);
   m.impl("clip_by_tensor_norm_", &clip_by_tensor_norm_autograd);
   m.impl("unitwise_clip_", &unitwise_clip_autograd);
+  m.impl("adam_step_", &adam_step_autograd);
 }
 
 }  // namespace torchclip

@@ -31,6 +31,14 @@ OPCHECK_CASES = {
                                 0.01, 1e-3, 2.0),
                                ([make_tensor((4, 2, 3), torch.float64, 5).transpose(1, 2)],
                                 [make_tensor((4, 3, 2), torch.float64, 6)], 0.5, 0.0, float("inf"))),
+    # (a dict last: the keyword arguments)
+    "adam_step_": lambda: (([make_tensor((5, 7), torch.float32, 1), make_tensor((3,), torch.float32, 2)],
+                            [make_tensor((5, 7), torch.float32, 3), make_tensor((3,), torch.float32, 4)],
+                            [torch.zeros(5, 7), torch.zeros(3)], [torch.zeros(5, 7), torch.zeros(3)], [],
+                            [torch.tensor(0.0), torch.tensor(4.0)],
+                            {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.1, "eps": 1e-8,
+                             "amsgrad": False, "maximize": False, "decoupled_weight_decay": True,
+                             "grad_scale": torch.tensor(2.0)}),),
 }
 
 
@@ -43,7 +51,8 @@ def test_every_op_has_an_opcheck_case():
 def test_opcheck(name):
     op = getattr(torch.ops.torchclip, name).default
     for args in OPCHECK_CASES[name]():
-        torch.library.opcheck(op, args)
+        kwargs = args[-1] if isinstance(args[-1], dict) else {}
+        torch.library.opcheck(op, args[:-1] if kwargs else args, kwargs)
 
 
 def test_fake_shapes_and_dtypes():

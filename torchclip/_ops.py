@@ -183,6 +183,24 @@ def _unitwise_clip_fake(grads, params, clip_factor, eps, norm_type):
     return None
 
 
+def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr: float, beta1: float,
+               beta2: float, weight_decay: float, eps: float, amsgrad: bool, maximize: bool,
+               decoupled_weight_decay: bool, grad_scale: torch.Tensor | None = None,
+               found_inf: torch.Tensor | None = None) -> bool:
+    """One Adam/AdamW step with torch's fused CPU arithmetic that only reads the gradients (divided by
+    grad_scale); False, with nothing written, where the kernels do not walk the lists."""
+    return bool(_ops.adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr=float(lr),
+                           beta1=float(beta1), beta2=float(beta2), weight_decay=float(weight_decay), eps=float(eps),
+                           amsgrad=bool(amsgrad), maximize=bool(maximize),
+                           decoupled_weight_decay=bool(decoupled_weight_decay), grad_scale=grad_scale,
+                           found_inf=found_inf))
+
+
+@torch.library.register_fake("torchclip::adam_step_")
+def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, **hyperparameters):
+    return params[0].new_empty((), dtype=torch.bool) if params else torch.empty((), dtype=torch.bool)
+
+
 # The devices whose kernels were built: the CPU always, CUDA when torchclip._cuda was (setup.py).
 KERNEL_DEVICES = ("cpu", "cuda") if _C.cuda_built() else ("cpu",)
 

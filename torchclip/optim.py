@@ -39,6 +39,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from torchclip import _adam_step
 from torchclip import clip as _clip_module
 from torchclip.clip import (
     ClipGradBase,
@@ -208,14 +209,15 @@ def _fold_into_step(optimizer, clip: ClipGradByGlobalNorm, params) -> tuple[Tens
     return grad_scale.to(torch.float32), found_inf
 
 
-_STEP_ATTRIBUTES = ("grad_scale", "found_inf")
+_STEP_ATTRIBUTES = ("grad_scale", "found_inf", "_torchclip_folded")
 
 
-def _step_with(optimizer, step, grad_scale, found_inf):
+def _step_with(optimizer, step, grad_scale, found_inf, folded=False):
     """step() with optimizer.grad_scale / found_inf set as given, then as they were (GradScaler deletes
-    its own after the step)."""
+    its own after the step). `folded`: grad_scale is a folded clip's, so a step that leaves the
+    gradients unclipped may run (torchclip.optim.Adam / AdamW's read-only step)."""
     saved = {name: optimizer.__dict__[name] for name in _STEP_ATTRIBUTES if name in optimizer.__dict__}
-    optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf
+    optimizer.grad_scale, optimizer.found_inf, optimizer._torchclip_folded = grad_scale, found_inf, folded
     try:
         return step()
     finally:
@@ -300,7 +302,7 @@ class _Attachment:
             if folding is not None:
                 if plan.folded.nonfinite == "skip":
                     self._count_skips_on_device(plan.folded.found_nonfinite)
-                return _step_with(optimizer, step, *folding)
+                return _step_with(optimizer, step, *folding, folded=True)
         if _steps_fused(optimizer):
             refusal = _clip_in_place(optimizer, plan, on_device=True)
             if refusal is None:
@@ -396,13 +398,23 @@ def with_grad_clip(optimizer_class: type) -> type:
         _check_clip(param_group.get(_GROUP_KEY), "param_group['grad_clip']")
         optimizer_class.add_param_group(self, param_group)
 
-    return type(optimizer_class.__name__, (optimizer_class,), {
+    members = {
         "__init__": __init__,
         "add_param_group": add_param_group,
         "__module__": __name__,
         "__doc__": f"{optimizer_class.__name__} with grad_clip= (see torchclip.optim).",
         "grad_clip": property(lambda self: self.grad_clip_attachment.clip),
-    })
+    }
+    if optimizer_class in (torch.optim.Adam, torch.optim.AdamW) and _adam_step.AVAILABLE:
+        torch_step = _adam_step.unhooked_step(optimizer_class)
+
+        def step(self, closure=None):
+            if self.__dict__.get("_torchclip_folded"):
+                return _adam_step.step(self, closure)
+            return torch_step(self, closure)
+
+        members["step"] = functools.wraps(torch_step)(step)
+    return type(optimizer_class.__name__, (optimizer_class,), members)
 
 
 SGD = with_grad_clip(torch.optim.SGD)

@@ -15,6 +15,7 @@ extern "C" __attribute__((visibility("default"))) const torchclip::cpu::KernelTa
       &torchclip::cpu::scale,
       &torchclip::cpu::clamp,
       &torchclip::cpu::unitwise_clip,
+      &torchclip::cpu::adam_step,
   };
   return &table;
 }

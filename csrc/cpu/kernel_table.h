@@ -14,7 +14,7 @@
 namespace torchclip::cpu {
 
 // Bumped whenever a struct below changes layout, so a stale kernel library is refused, not misread.
-constexpr int32_t kKernelAbiVersion = 2;
+constexpr int32_t kKernelAbiVersion = 3;
 
 // A dense, non-overlapping run of `numel` elements: either a contiguous tensor or any tensor whose
 // strides are a permutation of contiguous ones. Element order does not matter to any kernel here
@@ -23,6 +23,13 @@ struct TensorSpan {
   void* data;
   int64_t numel;
   DType dtype;
+};
+
+// One Adam/AdamW step's hyperparameters (torch.optim.Adam's, for a fused step).
+struct AdamStep {
+  double lr, beta1, beta2, weight_decay, eps;
+  bool amsgrad, maximize, decoupled_weight_decay;  // decoupled: AdamW's decay of the parameter
+  const float* grad_scale;  // each gradient is divided by *grad_scale as it is read; null: not divided
 };
 
 struct KernelTable {
@@ -47,6 +54,14 @@ struct KernelTable {
   // weight and of its gradient; the gradient units must not overlap.
   void (*unitwise_clip)(const TensorSpan* weights, const TensorSpan* grads, int64_t count, NormOrder order,
       double clip_factor, double eps);
+
+  // One fused Adam/AdamW step of every tensor, torch's CPU fused kernel's arithmetic (steps[i] is
+  // tensor i's step count, already counted up), except that the gradients are only read: divided by
+  // *grad_scale where given, never written. All spans of one index share a dtype and an element order;
+  // max_exp_avg_sqs is null unless amsgrad.
+  void (*adam_step)(const TensorSpan* params, const TensorSpan* grads, const TensorSpan* exp_avgs,
+      const TensorSpan* exp_avg_sqs, const TensorSpan* max_exp_avg_sqs, const double* steps, int64_t count,
+      const AdamStep* hyper);
 };
 
 }  // namespace torchclip::cpu

@@ -11,5 +11,8 @@ void scale(const TensorSpan* spans, int64_t count, const double* scales);
 void clamp(const TensorSpan* spans, int64_t count, double lo, double hi);
 void unitwise_clip(const TensorSpan* weights, const TensorSpan* grads, int64_t count, NormOrder order,
     double clip_factor, double eps);
+void adam_step(const TensorSpan* params, const TensorSpan* grads, const TensorSpan* exp_avgs,
+    const TensorSpan* exp_avg_sqs, const TensorSpan* max_exp_avg_sqs, const double* steps, int64_t count,
+    const AdamStep* hyper);
 
 }  // namespace torchclip::cpu

@@ -328,6 +328,85 @@ void unitwise_clip_cpu(at::TensorList grads, at::TensorList params, double clip_
   }
 }
 
+// ---- a fused Adam/AdamW step that reads the gradients only --------------------------------------
+
+// A 1-element float32 CPU tensor's value, or nullopt for anything else (torch's fused step reads
+// grad_scale, found_inf and the step counts as float32 on the host).
+std::optional<float> host_float(const at::Tensor& t) {
+  if (!t.defined() || !t.device().is_cpu() || t.scalar_type() != at::kFloat || t.numel() != 1) {
+    return std::nullopt;
+  }
+  return *static_cast<const float*>(t.data_ptr());
+}
+
+// Whether `state` can be walked beside `param`: the same dtype, shape and element order, dense.
+bool walks_beside(const at::Tensor& state, const at::Tensor& param) {
+  return state.defined() && state.device().is_cpu() && state.layout() == at::kStrided &&
+      state.scalar_type() == param.scalar_type() && state.sizes() == param.sizes() &&
+      state.strides() == param.strides() && !state.is_neg();
+}
+
+at::Tensor adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+    at::TensorList max_exp_avg_sqs, at::TensorList state_steps, double lr, double beta1, double beta2,
+    double weight_decay, double eps, bool amsgrad, bool maximize, bool decoupled_weight_decay,
+    const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  constexpr const char* op = "torchclip.adam_step_";
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && state_steps.size() == n, op,
+      ": params, grads, exp_avgs, exp_avg_sqs and state_steps must have one entry per parameter, got ", n, ", ",
+      grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size(), " and ", state_steps.size());
+  TORCH_CHECK(max_exp_avg_sqs.size() == (amsgrad ? n : 0), op, ": max_exp_avg_sqs must have ",
+      amsgrad ? "one entry per parameter" : "no entries", " with amsgrad=", amsgrad ? "True" : "False", ", got ",
+      max_exp_avg_sqs.size());
+  // Declining (false, nothing written) is for what the kernels do not walk; the caller then runs torch's own
+  // step. Every check comes before the first write.
+  std::optional<float> scale;
+  if (grad_scale.has_value()) {
+    scale = host_float(*grad_scale);
+    if (!scale) {
+      return at::scalar_tensor(false, at::kBool);
+    }
+  }
+  std::optional<float> skip;
+  if (found_inf.has_value()) {
+    skip = host_float(*found_inf);
+    if (!skip) {
+      return at::scalar_tensor(false, at::kBool);
+    }
+  }
+  std::vector<cpu::TensorSpan> param_spans, grad_spans, exp_avg_spans, exp_avg_sq_spans, max_spans;
+  std::vector<double> steps(n);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    const auto dtype = p.defined() && p.device().is_cpu() ? kernel_dtype(p) : std::nullopt;
+    const auto step = host_float(state_steps[i]);
+    if (!dtype || !step || !walks_beside(grads[i], p) || !walks_beside(exp_avgs[i], p) ||
+        !walks_beside(exp_avg_sqs[i], p) || (amsgrad && !walks_beside(max_exp_avg_sqs[i], p))) {
+      return at::scalar_tensor(false, at::kBool);
+    }
+    param_spans.push_back({p.data_ptr(), p.numel(), *dtype});
+    grad_spans.push_back({grads[i].data_ptr(), p.numel(), *dtype});
+    exp_avg_spans.push_back({exp_avgs[i].data_ptr(), p.numel(), *dtype});
+    exp_avg_sq_spans.push_back({exp_avg_sqs[i].data_ptr(), p.numel(), *dtype});
+    if (amsgrad) {
+      max_spans.push_back({max_exp_avg_sqs[i].data_ptr(), p.numel(), *dtype});
+    }
+  }
+  if (skip == 1.0f) {  // torch's fused step leaves everything as it was when found_inf is 1
+    return at::scalar_tensor(true, at::kBool);
+  }
+  for (size_t i = 0; i < n; ++i) {  // torch adds 1 to the float32 count before its kernel reads it
+    float& step = *static_cast<float*>(state_steps[i].data_ptr());
+    step += 1.0f;
+    steps[i] = step;
+  }
+  const cpu::AdamStep hyper{lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, decoupled_weight_decay,
+      scale ? &*scale : nullptr};
+  cpu_kernels().adam_step(param_spans.data(), grad_spans.data(), exp_avg_spans.data(), exp_avg_sq_spans.data(),
+      amsgrad ? max_spans.data() : nullptr, steps.data(), static_cast<int64_t>(n), &hyper);
+  return at::scalar_tensor(true, at::kBool);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchclip, CPU, m) {
@@ -337,6 +416,7 @@ TORCH_LIBRARY_IMPL(torchclip, CPU, m) {
   m.impl("clip_grad_norm_", &clip_grad_norm_cpu);
   m.impl("clip_by_tensor_norm_", &clip_by_tensor_norm_cpu);
   m.impl("unitwise_clip_", &unitwise_clip_cpu);
+  m.impl("adam_step_", &adam_step_cpu);
 }
 
 }  // namespace torchclip

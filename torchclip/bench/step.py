@@ -53,11 +53,11 @@ def candidates(name, grads):
     params = grads.params
     for p in params:
         p.detach().zero_()
-    optimizer = cls(params, **kwargs)
     clip = torchclip.ClipGradByGlobalNorm(1.0)
-    # One optimizer, so every candidate updates the same state; the hook is switched on for torchclip's
-    # candidate alone.
-    attachment = torchclip.optim.attach(optimizer, clip)
+    # One optimizer (torchclip.optim's, as users build it), so every candidate updates the same state; the
+    # hook is switched on for torchclip's candidate alone, and off it steps as torch's class does.
+    optimizer = torchclip.optim.with_grad_clip(cls)(params, grad_clip=clip, **kwargs)
+    attachment = optimizer.grad_clip_attachment
     attachment.enabled = False
 
     def prepare():  # clip.clip_norm is torch's max_norm too: both candidates clip by the same number
