@@ -17,8 +17,9 @@ Folded into fused steps: on torch's fused optimizers (Adam, AdamW, SGD, Adagrad 
 one ClipGradByGlobalNorm serves every parameter, the hook computes the global norm alone and hands
 1 / the coefficient to the fused kernel as its grad_scale (multiplied by GradScaler's scale, when the
 gradients are still scaled), and nonfinite="skip" as its found_inf: the kernel divides each gradient
-as it reads it, and writes the clipped gradient back, so the clip costs one read of the gradients and
-no host sync. Other clips (per tensor, per element, excluded parameters) clip in place first; under
+as it reads it, so the clip costs one read of the gradients and no host sync. torch's kernels write
+the clipped gradient back; torchclip.optim's Adam and AdamW on the CPU step with torchclip.adam_step_
+(torchclip/_adam_step.py), which leaves the gradients as they were. Other clips (per tensor, per element, excluded parameters) clip in place first; under
 GradScaler they unscale the gradients first, as scaler.unscale_ would.
 
 Which clip a parameter gets: its param group's 'grad_clip' (Paddle's per-group setting), else the
