@@ -152,6 +152,25 @@ def test_clamp_is_bit_identical_to_torch(cpu_capability, dtype, bounds):
         assert torch.equal(t.nan_to_num(7.0), e.nan_to_num(7.0)) and torch.equal(t.isnan(), e.isnan())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_tails_stay_inside_their_spans(cpu_capability, dtype):
+    # Spans of every tail length packed back to back in one buffer, with a border on each side: the
+    # kernels copy a tail in and out by masked vector loads and stores, which must touch its elements
+    # only. Each write is checked against torch on a copy, and the border must keep its bits.
+    lengths = list(range(1, 34))
+    buffer = make_tensor((sum(lengths) + 2,), dtype, 11, scale=4.0)
+    spans = list(torch.split(buffer[1:-1], lengths))
+    border = buffer[[0, -1]].clone()
+    expected = [s.clone().clamp_min_(-0.5).clamp_max_(0.5).mul_(0.25) for s in spans]
+    _ops.multi_tensor_clamp_(spans, -0.5, 0.5)
+    _ops.multi_tensor_scale_(spans, torch.tensor(0.25))
+    assert all(torch.equal(s, e) for s, e in zip(spans, expected))
+    assert torch.equal(buffer[[0, -1]], border)
+    norms = _ops.multi_tensor_norm(spans, 2.0, False)[1]
+    reference = torch.stack([torch.linalg.vector_norm(s.double()) for s in spans])
+    torch.testing.assert_close(norms, reference, rtol=1e-6, atol=0)
+
+
 def test_clamp_refuses_complex_before_any_change():
     tensors = [torch.randn(10), torch.randn(4, dtype=torch.complex64)]
     before = tensors[0].clone()

@@ -180,22 +180,20 @@ void step_run(const Streams& s, int64_t n, const AdamStep& h, double step) {
     return;
   }
   // The tail through the same vector code, in zero-padded blocks (the padded lanes are discarded).
-  alignas(64) T tail[5][L::kWidth] = {};
-  for (int64_t k = 0; k < rest; ++k) {
-    tail[0][k] = param[whole + k];
-    tail[1][k] = grad[whole + k];
-    tail[2][k] = exp_avg[whole + k];
-    tail[3][k] = exp_avg_sq[whole + k];
-    tail[4][k] = max_exp_avg_sq ? max_exp_avg_sq[whole + k] : T(0);
+  alignas(64) T tail[5][L::kWidth];
+  load_padded<L::kWidth>(tail[0], param + whole, rest, T(0));
+  load_padded<L::kWidth>(tail[1], grad + whole, rest, T(0));
+  load_padded<L::kWidth>(tail[2], exp_avg + whole, rest, T(0));
+  load_padded<L::kWidth>(tail[3], exp_avg_sq + whole, rest, T(0));
+  if (max_exp_avg_sq) {
+    load_padded<L::kWidth>(tail[4], max_exp_avg_sq + whole, rest, T(0));
   }
   step_blocks<T, kDecoupled>(tail[0], tail[1], tail[2], tail[3], max_exp_avg_sq ? tail[4] : nullptr, L::kWidth, h, c);
-  for (int64_t k = 0; k < rest; ++k) {
-    param[whole + k] = tail[0][k];
-    exp_avg[whole + k] = tail[2][k];
-    exp_avg_sq[whole + k] = tail[3][k];
-    if (max_exp_avg_sq) {
-      max_exp_avg_sq[whole + k] = tail[4][k];
-    }
+  store_first<L::kWidth>(param + whole, tail[0], rest);
+  store_first<L::kWidth>(exp_avg + whole, tail[2], rest);
+  store_first<L::kWidth>(exp_avg_sq + whole, tail[3], rest);
+  if (max_exp_avg_sq) {
+    store_first<L::kWidth>(max_exp_avg_sq + whole, tail[4], rest);
   }
 }
 
