@@ -96,6 +96,29 @@ def test_quantile_matches_autoclip_step_for_step(global_threshold, quantile, his
         assert_same_grads(reference_model, model, step)
 
 
+def test_global_quantile_follows_autoclip_through_a_nan_gradient():
+    """A NaN norm in the history makes autoclip's torch.quantile NaN until it leaves the window; the
+    global rule on the host keeps NaNs beside its sorted window to do the same."""
+    reference_model, model = model_pair()
+    reference = autoclip_torch.QuantileClip(reference_model.parameters(), quantile=0.5, history_length=3,
+                                            global_threshold=True)
+    clip = ClipGradByQuantile(0.5, 3, global_threshold=True)
+    saw_nan = saw_finite_after = False
+    for step, grads in enumerate(gradient_run(model, 12)):
+        if step == 4:
+            grads[0][0, 0] = math.nan
+        set_grads(reference_model, grads)
+        set_grads(model, grads)
+        reference.step()
+        clip(model.parameters())
+        for a, b in zip(reference_model.parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=2e-6, atol=1e-9, equal_nan=True)
+        nan_now = bool(next(model.parameters()).grad.isnan().any())
+        saw_nan |= nan_now
+        saw_finite_after |= saw_nan and not nan_now
+    assert saw_nan and saw_finite_after  # the NaN came, and left with the window
+
+
 def test_quantile_parameter_first_met_later_starts_unclipped():
     """A parameter without a gradient on the first calls gets its own history when it first has one
     (the reference's per-parameter state), and its first clipped call clips nothing."""

@@ -19,14 +19,16 @@ All are ClipGradBase clips: `clip(parameters)`, `clip(pairs)`, `grad_clip=` on a
 optimizer or a param group, and need_clip all work as for ClipGradByGlobalNorm. Their statistics are
 float64 tensors on the gradients' device, updated by tensor operations there: on a GPU a step never
 reads a norm back to the host (the reference packages call .item() every step); on the CPU, where a
-read waits for nothing, ZScore runs its rule on Python floats. Only the number of calls so far, which
-the host knows, steers control flow (warm-up, the history ring's fill). `state_dict()` holds tensors only,
-and a clip restored from it continues bit for bit. DTensor gradients are clipped by their global norms
-(torchclip.distributed's one all_gather), so every rank keeps the same statistics.
+read waits for nothing, ZScore and the global Quantile run their rules on Python floats. Only the
+number of calls so far, which the host knows, steers control flow (warm-up, the history ring's fill).
+`state_dict()` holds tensors only, and a clip restored from it continues bit for bit. DTensor
+gradients are clipped by their global norms (torchclip.distributed's one all_gather), so every rank
+keeps the same statistics.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 
 import torch
@@ -302,6 +304,35 @@ class ClipGradByZScore(_StatefulClip):
                 f"clip_option={self.clip_option!r})")
 
 
+class _SortedWindow:
+    """The values of a history ring in ascending order, updated in O(log n) comparisons a call (bisect),
+    with its NaNs counted apart (they have no place in an order)."""
+
+    def __init__(self, values: list[float]):
+        self.nans = sum(1 for v in values if math.isnan(v))
+        self.values = sorted(v for v in values if not math.isnan(v))
+
+    def replace(self, evicted: float | None, added: float) -> None:
+        if evicted is not None:
+            if math.isnan(evicted):
+                self.nans -= 1
+            else:
+                del self.values[bisect.bisect_left(self.values, evicted)]
+        if math.isnan(added):
+            self.nans += 1
+        else:
+            bisect.insort(self.values, added)
+
+    def quantile(self, q: float) -> float:
+        """torch.quantile's (linear interpolation, and torch.lerp's two formulas); NaN if a value is."""
+        if self.nans:
+            return math.nan
+        rank = q * (len(self.values) - 1)
+        below, above = self.values[math.floor(rank)], self.values[math.ceil(rank)]
+        weight = rank - math.floor(rank)
+        return below + weight * (above - below) if weight < 0.5 else above - (above - below) * (1 - weight)
+
+
 class ClipGradByQuantile(_StatefulClip):
     r"""AutoClip: clip to a quantile of the norms seen so far.
 
@@ -333,6 +364,7 @@ class ClipGradByQuantile(_StatefulClip):
         # NaN where nothing was recorded yet; counts[row] on the host: how many norms the row has seen.
         self.history = torch.full((1 if global_threshold else 0, history_length), math.nan, dtype=torch.float64)
         self.counts: list[int] = [0] * self.history.shape[0]
+        self._window: _SortedWindow | None = None  # the global history, sorted, for the host rule
         self._forget_rows()
         self.last_norms: Tensor | None = None
 
@@ -341,6 +373,8 @@ class ClipGradByQuantile(_StatefulClip):
             return
         if self.global_threshold:
             grads, _, norm = self._global_norm_of(pairs)
+            if norm.device.type == "cpu":
+                return self._clip_global_on_host(grads, norm)
             rows, observed = [0], norm.reshape(1)
         else:
             grads, observed = _targets_and_norms([g for _, g in pairs])
@@ -357,6 +391,32 @@ class ClipGradByQuantile(_StatefulClip):
     def _clip(self, grads):  # ClipGradBase's route always comes through _clip_pairs
         raise AssertionError("ClipGradByQuantile clips through _clip_pairs")
 
+    def _clip_global_on_host(self, grads: list[Tensor], norm: Tensor) -> None:
+        """The global rule where the norm is in host memory: read without waiting, and the quantile taken
+        from a sorted copy of the window kept beside the ring. After a step's memory pass, torch.quantile
+        and the 0-d ops around it ran with their code out of cache: ~0.25 ms a call, 12% of a ResNet-50
+        norm pass on 2 cores. The arithmetic is the tensor rule's, in float64."""
+        self.history = self._on(self.history, norm.device)
+        value, count, window = norm.item(), self.counts[0], self._host_window()
+        coefficient = 1.0
+        if count > 0:
+            threshold = window.quantile(self.quantile)
+            coefficient = _divide(threshold, value + _COEFFICIENT_EPS)
+            coefficient = coefficient if not coefficient > 1.0 else 1.0  # torch.clamp's: NaN stays NaN
+        slot = count % self.history_length
+        window.replace(self.history[0, slot].item() if count >= self.history_length else None, value)
+        self.history[0, slot] = value
+        self.counts[0] += 1
+        self.last_norms = norm
+        self._record(norm)
+        if coefficient != 1.0:
+            _scale(grads, torch.tensor(coefficient, dtype=torch.float64))
+
+    def _host_window(self) -> _SortedWindow:
+        if self._window is None:
+            self._window = _SortedWindow(self.history[0, :min(self.counts[0], self.history_length)].tolist())
+        return self._window
+
     def _thresholds(self, rows: list[int], device) -> Tensor:
         """quantile of each row's recorded norms; inf for a row with none."""
         needed = max(rows) + 1
@@ -365,13 +425,33 @@ class ClipGradByQuantile(_StatefulClip):
                               dtype=torch.float64, device=device)
             self.history = torch.cat([self.history, grow])
             self.counts += [0] * grow.shape[0]
-        thresholds = torch.nanquantile(self.history.index_select(0, _to_device(rows, device)), self.quantile, dim=1)
-        unseen = _to_device([self.counts[r] == 0 for r in rows], device)
-        return torch.where(unseen, torch.full_like(thresholds, math.inf), thresholds)
+        filled = [min(self.counts[r], self.history_length) for r in rows]
+        if all(f == filled[0] for f in filled):  # the usual case: every row has seen as many norms
+            return self._quantiles(rows, filled[0], device)
+        thresholds = torch.empty(len(rows), dtype=torch.float64, device=device)
+        for count in set(filled):
+            at = [i for i, f in enumerate(filled) if f == count]
+            thresholds.index_copy_(0, _to_device(at, device), self._quantiles([rows[i] for i in at], count, device))
+        return thresholds
+
+    def _quantiles(self, rows: list[int], filled: int, device) -> Tensor:
+        """The quantile of the first `filled` slots of each of `rows`, the norms they recorded (a ring
+        fills in order, and order does not matter to a quantile): torch.quantile, the reference's, so a
+        recorded NaN norm gives NaN as there. (nanquantile over whole rows cost ~0.1 ms a call.)"""
+        if filled == 0:
+            return torch.full((len(rows),), math.inf, dtype=torch.float64, device=device)
+        if rows == list(range(self.history.shape[0])):
+            window = self.history[:, :filled]
+        else:
+            window = self.history.index_select(0, _to_device(rows, device))[:, :filled]
+        return torch.quantile(window, self.quantile, dim=1)
 
     def _record_norms(self, rows: list[int], norms: Tensor, device) -> None:
         slots = [self.counts[r] % self.history_length for r in rows]
-        self.history.index_put_((_to_device(rows, device), _to_device(slots, device)), norms)
+        if rows == list(range(self.history.shape[0])) and all(s == slots[0] for s in slots):
+            self.history[:, slots[0]] = norms  # (no index tensors to build and copy)
+        else:
+            self.history.index_put_((_to_device(rows, device), _to_device(slots, device)), norms)
         for r in rows:
             self.counts[r] += 1
 
@@ -387,6 +467,7 @@ class ClipGradByQuantile(_StatefulClip):
             raise ValueError(f"{type(self).__name__}.load_state_dict: a global clip has one history, got {rows}")
         self.history = state["history"].to(self.history.device, torch.float64, copy=True)
         self.counts = [int(c) for c in state["counts"].tolist()]
+        self._window = None
         self._forget_rows()
 
     def __repr__(self):
