@@ -440,15 +440,19 @@ class ClipGradByQuantile(_StatefulClip):
         recorded NaN norm gives NaN as there. (nanquantile over whole rows cost ~0.1 ms a call.)"""
         if filled == 0:
             return torch.full((len(rows),), math.inf, dtype=torch.float64, device=device)
-        if rows == list(range(self.history.shape[0])):
+        if self._every_row_in_order(rows):
             window = self.history[:, :filled]
         else:
             window = self.history.index_select(0, _to_device(rows, device))[:, :filled]
         return torch.quantile(window, self.quantile, dim=1)
 
+    def _every_row_in_order(self, rows: list[int]) -> bool:
+        """Whether `rows` are all of the history's, in order: then a slice of it, no index tensors."""
+        return rows == list(range(self.history.shape[0]))
+
     def _record_norms(self, rows: list[int], norms: Tensor, device) -> None:
         slots = [self.counts[r] % self.history_length for r in rows]
-        if rows == list(range(self.history.shape[0])) and all(s == slots[0] for s in slots):
+        if self._every_row_in_order(rows) and all(s == slots[0] for s in slots):
             self.history[:, slots[0]] = norms  # (no index tensors to build and copy)
         else:
             self.history.index_put_((_to_device(rows, device), _to_device(slots, device)), norms)
