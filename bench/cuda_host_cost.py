@@ -1,7 +1,7 @@
 """Where the host time of a CUDA clip over many small tensors goes (issue 19's "say where the
 remaining time goes"): each op through the drop-in (walk + dispatcher + kernels), the op alone on a
 ready list (no walk), the per-call launch count and the launches' share of the host time, from
-torch.profiler. Run on a machine with a GPU: python bench/cuda_host_cost.py [--workload 10000x100]."""
+torch.profiler. Run on a machine with a GPU: python bench/cuda_host_cost.py [--workload 10000x100 ...]."""
 
 from __future__ import annotations
 
@@ -38,10 +38,12 @@ def host_and_total_ms(fn, calls=200):
 
 
 def launches(fn):
-    """(kernel launches per call, ms of cudaLaunchKernel per call) from torch.profiler."""
+    """(kernel launches per call, ms of cudaLaunchKernel per call, ms of kernel time on the device per
+    call) from torch.profiler."""
     fn()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
         fn()
         torch.cuda.synchronize()
     count, ms = 0, 0.0
@@ -49,14 +51,33 @@ def launches(fn):
         if event.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"):
             count += event.count
             ms += event.cpu_time_total / 1e3
-    return count, ms
+    device_ms = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+    return count, ms, device_ms
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--workload", default="10000x100")
+    parser.add_argument("--workload", action="append", help="repeatable; default 10000x100")
+    parser.add_argument("--breakdown", action="store_true", help="also torch.profiler's table of each case's host time")
     args = parser.parse_args()
-    label, shapes = workloads.resolve(args.workload)
+    for workload in args.workload or ["10000x100"]:
+        report(workload, args.breakdown)
+
+
+def breakdown(fn, calls=5):
+    """torch.profiler's events of `calls` calls after two warm-up calls under the profiler (its first
+    events carry its own start-up), by self CPU time."""
+    schedule = torch.profiler.schedule(wait=0, warmup=2, active=calls)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], schedule=schedule) as prof:
+        for _ in range(2 + calls):
+            fn()
+            torch.cuda.synchronize()
+            prof.step()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10)
+
+
+def report(workload, with_breakdown=False):
+    label, shapes = workloads.resolve(workload)
     g = Grads(shapes, torch.float32, device="cuda")
     ops = torch.ops.torchclip
     cases = {
@@ -67,15 +88,21 @@ def main():
         "clip_grad_value_ (drop-in)": lambda: torchclip.clip_grad_value_(g.params, 1e9),
         "multi_tensor_clamp_ (op on a list)": lambda: ops.multi_tensor_clamp_(g.grads, -1e9, 1e9),
         "ClipGradByNorm": lambda: torchclip.ClipGradByNorm(1e9)(g.params),
+        "ClipGradByGlobalNorm": lambda: torchclip.ClipGradByGlobalNorm(1e9)(g.params),
+        "ClipGradByValue": lambda: torchclip.ClipGradByValue(1e9)(g.params),
         "torch._foreach_norm (reference)": lambda: torch._foreach_norm(g.grads),
+        "sum over one buffer (the bound)": lambda: g.flat.sum(),
     }
     print(f"{label}: {len(shapes)} tensors on {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(f"{'case':38} {'host ms':>8} {'synced ms':>10} {'launches':>9} {'launch ms':>10}")
+    print(f"{'case':38} {'host ms':>8} {'synced ms':>10} {'launches':>9} {'launch ms':>10} {'kernel ms':>10}")
     with torch.no_grad():
         for name, fn in cases.items():
             host, total = host_and_total_ms(fn)
-            count, launch_ms = launches(fn)
-            print(f"{name:38} {host:8.3f} {total:10.3f} {count:9d} {launch_ms:10.3f}")
+            count, launch_ms, device_ms = launches(fn)
+            print(f"{name:38} {host:8.3f} {total:10.3f} {count:9d} {launch_ms:10.3f} {device_ms:10.3f}")
+        if with_breakdown:
+            for name in ("clip_grad_norm_ (drop-in)", "ClipGradByNorm"):
+                print(f"{label} {name}:\n{breakdown(cases[name])}")
 
 
 if __name__ == "__main__":

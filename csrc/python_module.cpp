@@ -34,6 +34,8 @@ PYBIND11_MODULE(_C, m) {
       "The CPU instruction sets a kernel library was compiled for.");
   m.def("cuda_built", [] { return torchclip::walk::kernels_built_for(c10::Device(c10::kCUDA)); },
       "Whether the CUDA kernels were built (torchclip._cuda).");
+  m.def("use_cuda_split_ops", &torchclip::walk::use_cuda_split_ops, py::arg("ops"),
+      "Hand the walk torchclip._cuda's implementations (its split_ops capsule).");
   m.def("load_cpu_kernels", &torchclip::load_cpu_kernels, py::arg("path"),
       "Load a per-ISA CPU kernel library and use it for every CPU op from now on.");
   m.def("loaded_cpu_capability", &torchclip::loaded_cpu_capability);

@@ -212,16 +212,23 @@ def test_norm_nan_and_inf():
         ops.multi_tensor_norm([x, y], 2.0, True)
 
 
-def test_norm_many_tensors_span_several_launches():
-    # More tensors (64) and chunks (256) than one launch's table holds; tensors cut by a launch boundary.
+@pytest.mark.parametrize("count", [90, 2000])
+def test_norm_many_tensors_span_several_launches(count):
+    # 90 tensors fit one small launch table (100); 2,000 take three large ones (864 each), so a block
+    # finds its tensor by a search over hundreds of entries, and multi-chunk tensors meet one-chunk ones.
     generator = torch.Generator().manual_seed(5)
-    sizes = torch.randint(0, 200000, (700,), generator=generator).tolist() + [0, 1, 65536 * 300 + 17]
+    sizes = torch.randint(0, 20000, (count - 8,), generator=generator).tolist()
+    sizes += [0, 1, 65536 * 3, 65536 * 3 + 5, 65535, 65537, 131071, 65536 * 300 + 17]
+    sizes = [sizes[i] for i in torch.randperm(len(sizes), generator=generator).tolist()]
     tensors = cuda_list(torch.float32, seed=11, sizes=sizes)
     for norm_type in [2.0, 1.0, 0.5]:  # (orders with an identity: the list holds empty tensors)
         total, per_tensor = ops.multi_tensor_norm(tensors, norm_type, False)
         assert_norm_close(total, reference_norm(tensors, norm_type), f"p={norm_type}", tensors)
         expected = torch.stack([torch.linalg.vector_norm(t.double(), norm_type) for t in tensors])
         torch.testing.assert_close(per_tensor, expected, rtol=1e-6, atol=0)
+    expected = [t.clamp(-1e-3, 1e-3) for t in tensors]
+    ops.multi_tensor_clamp_(tensors, -1e-3, 1e-3)
+    assert all(torch.equal(t, e) for t, e in zip(tensors, expected))
 
 
 # ---- scaling, clamping ---------------------------------------------------------------------------
@@ -547,8 +554,8 @@ def test_drop_in_clip_grad_norm_does_not_sync_and_captures():
 
 
 def test_eager_walk_serves_cuda_parameters():
-    # The C++ walk (csrc/python_module.cpp) gathers CUDA gradients and calls the ops through the
-    # dispatcher, whose Autograd kernels bump each version once.
+    # The C++ walk (csrc/walk) gathers CUDA gradients, splits them and calls the CUDA implementations
+    # directly (cuda_split_ops.h); it bumps each version once, as the ops' Autograd kernels do.
     params = cuda_params(torch.float32, seed=61, scale=3.0)
     expected = [p.grad.clamp(-0.5, 0.5) for p in params]
     versions = [p.grad._version for p in params]
@@ -578,3 +585,43 @@ def test_eager_walk_serves_cuda_parameters():
 
     with Seen():
         assert torchclip._ops.clip_grad_norm_of_plain(params, 1.0, 2.0, False) is None
+
+
+def test_eager_walk_splits_cuda_gradients_the_kernels_do_not_take():
+    # A strided view and a complex gradient go to ATen from the walk's split, beside the kernels' spans.
+    def params():
+        found = cuda_params(torch.float32, seed=63, scale=3.0)
+        strided = torch.nn.Parameter(torch.zeros(500, device=CUDA))
+        strided.grad = torch.randn(500, 3, device=CUDA)[:, 1]
+        complex_weight = torch.nn.Parameter(torch.zeros(40, dtype=torch.complex64, device=CUDA))
+        complex_weight.grad = torch.randn(40, dtype=torch.complex64, device=CUDA)
+        return [strided] + found + [complex_weight]
+
+    torch.manual_seed(0)
+    ours = params()
+    theirs = clone_params(ours)
+    total = torchclip._ops.clip_grad_norm_of_plain(ours, 1.0, 2.0, False)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, 1.0, 2.0)
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=0)
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+    torch.manual_seed(0)
+    ours = params()
+    expected = [p.grad.clamp(-0.5, 0.5) if not p.grad.is_complex() else None for p in ours]
+    assert torchclip._ops.clamp_grads_of_plain(ours[:-1], -0.5, 0.5)
+    assert all(torch.equal(p.grad, e) for p, e in zip(ours[:-1], expected))
+
+
+@pytest.mark.parametrize("clip, op_name", [
+    (lambda params: torchclip.clip_grad_norm_(params, 1.0), "torchclip::clip_grad_norm_"),
+    (lambda params: torchclip.clip_grad_value_(params, 0.5), "torchclip::multi_tensor_clamp_"),
+    (lambda params: torchclip.get_total_norm([p.grad for p in params]), "torchclip::multi_tensor_norm"),
+    (lambda params: torchclip.ClipGradByNorm(0.1)(params), "torchclip::clip_by_tensor_norm_"),
+])
+def test_the_profiler_sees_the_cuda_fast_path(clip, op_name):
+    params = cuda_params(torch.float32, seed=65, scale=3.0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        clip(params)
+    names = [event.name for event in profile.events()]
+    assert names.count("torchclip::walk_parameters") == 1
+    assert names.count(op_name) == 1

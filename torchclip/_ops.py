@@ -31,7 +31,9 @@ if _built_against != torch.__version__.split("+")[0]:
     )
 
 if _C.cuda_built():
-    importlib.import_module("torchclip._cuda")  # registers the CUDA kernels into _C's library: after _C
+    # Importing it registers the CUDA kernels into _C's library (so: after _C); its capsule gives the
+    # C++ walk the same implementations to call directly.
+    _C.use_cuda_split_ops(importlib.import_module("torchclip._cuda").split_ops)
 
 # ---- CPU kernel library selection -----------------------------------------------------------------
 

@@ -30,10 +30,12 @@ __device__ void clamp_chunk(S* x, int64_t n, double lo, double hi, bool nan_boun
   }
 }
 
-__global__ void __launch_bounds__(kThreads) clamp_kernel(const __grid_constant__ LaunchTable table, double lo,
-    double hi, bool nan_bound) {
-  const int t = table.block_tensor[blockIdx.x];
-  const int64_t begin = static_cast<int64_t>(table.block_chunk[blockIdx.x]) * kChunk;
+template <typename Table>
+__global__ void __launch_bounds__(kThreads) clamp_kernel(const __grid_constant__ Table table, double lo, double hi,
+    bool nan_bound) {
+  const BlockWork work = block_work(table);
+  const int t = work.t;
+  const int64_t begin = work.chunk * kChunk;
   const int64_t n = table.numel[t] - begin < kChunk ? table.numel[t] - begin : kChunk;
   dispatch_storage(table.dtype[t], [&](auto* tag) {
     using S = std::remove_pointer_t<decltype(tag)>;
@@ -49,8 +51,8 @@ void clamp(const DeviceSpan* spans, int64_t count, double lo, double hi, cudaStr
   if (!nan_bound && lo == -std::numeric_limits<double>::infinity() && hi == std::numeric_limits<double>::infinity()) {
     return;
   }
-  multi_tensor_apply(spans, count, [&](const LaunchTable& table, int blocks) {
-    clamp_kernel<<<blocks, kThreads, 0, stream>>>(table, lo, hi, nan_bound);
+  multi_tensor_apply(spans, count, [&](const auto& table, int blocks) {
+    clamp_kernel<std::decay_t<decltype(table)>><<<blocks, kThreads, 0, stream>>>(table, lo, hi, nan_bound);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

@@ -45,8 +45,15 @@ __device__ __forceinline__ Partial empty_partial(bool minimum) {
   return {0.0, minimum ? CUDART_INF : 0.0, 0u};
 }
 
-template <NormKind kKind>
+template <NormKind kKind, typename S>
 __device__ __forceinline__ void accumulate(Partial& acc, double v, double p) {
+  if constexpr (kKind == NormKind::Two && !std::is_same_v<S, double>) {
+    // finish() reads neither the flags nor the largest |x| for 16/32-bit data (a NaN or inf carries
+    // through the sum): one widening and one multiply-add per element, where the full bookkeeping
+    // tied up the float64 units on bfloat16 data.
+    acc.sum = fma(v, v, acc.sum);
+    return;
+  }
   const double m = fabs(v);
   // The non-finite flags come from the same read as the sum.
   acc.flags |= isnan(v) ? kHasNaN : (isinf(v) ? kHasInf : 0u);
@@ -122,8 +129,8 @@ __device__ double finish(const Partial& acc, const S* x, int64_t n, double p) {
   }
 }
 
-template <NormKind kKind, typename S>
-__device__ void norm_chunk(const LaunchTable& table, int t, int64_t chunk, double p, Partial* slots,
+template <NormKind kKind, typename S, typename Table>
+__device__ void norm_chunk(const Table& table, int t, int64_t chunk, double p, Partial* slots,
     int32_t* arrivals, double* norms) {
   const bool minimum = tracks_minimum(kKind, p);
   const S* x = static_cast<const S*>(table.data[t]);
@@ -132,7 +139,7 @@ __device__ void norm_chunk(const LaunchTable& table, int t, int64_t chunk, doubl
   const int64_t n = numel - begin < kChunk ? numel - begin : kChunk;
 
   Partial mine = empty_partial(minimum);
-  read_elements(x + begin, n, [&](auto v) { accumulate<kKind>(mine, static_cast<double>(v), p); });
+  read_elements(x + begin, n, [&](auto v) { accumulate<kKind, S>(mine, static_cast<double>(v), p); });
   auto merge = [minimum](const Partial& a, const Partial& b) { return combine(a, b, minimum); };
   Partial acc = block_reduce<kThreads>(mine, merge);
 
@@ -165,22 +172,23 @@ __device__ void norm_chunk(const LaunchTable& table, int t, int64_t chunk, doubl
   }
 }
 
-template <NormKind kKind>
-__global__ void __launch_bounds__(kThreads) norm_kernel(const __grid_constant__ LaunchTable table, double p,
+template <NormKind kKind, typename Table>
+__global__ void __launch_bounds__(kThreads) norm_kernel(const __grid_constant__ Table table, double p,
     Partial* slots, int32_t* arrivals, double* norms) {
-  const int t = table.block_tensor[blockIdx.x];
-  const int64_t chunk = table.block_chunk[blockIdx.x];
-  dispatch_storage(table.dtype[t], [&](auto* tag) {
+  const BlockWork work = block_work(table);
+  dispatch_storage(table.dtype[work.t], [&](auto* tag) {
     using S = std::remove_pointer_t<decltype(tag)>;
-    norm_chunk<kKind, S>(table, t, chunk, p, slots, arrivals, norms);
+    norm_chunk<kKind, S>(table, work.t, work.chunk, p, slots, arrivals, norms);
   });
 }
 
 template <NormKind kKind>
 void launch_norms(const DeviceSpan* spans, int64_t count, double p, double* norms, void* slots, int32_t* arrivals,
     cudaStream_t stream) {
-  multi_tensor_apply(spans, count, [&](const LaunchTable& table, int blocks) {
-    norm_kernel<kKind><<<blocks, kThreads, 0, stream>>>(table, p, static_cast<Partial*>(slots), arrivals, norms);
+  multi_tensor_apply(spans, count, [&](const auto& table, int blocks) {
+    using Table = std::decay_t<decltype(table)>;
+    norm_kernel<kKind, Table><<<blocks, kThreads, 0, stream>>>(table, p, static_cast<Partial*>(slots), arrivals,
+        norms);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

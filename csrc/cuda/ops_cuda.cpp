@@ -27,8 +27,9 @@
 #include <tuple>
 #include <vector>
 
-#include "norm_total.h"  // norm_order: the same classification of p as the CPU ops
 #include "cuda/kernels.h"
+#include "cuda_split_ops.h"
+#include "norm_total.h"  // norm_order: the same classification of p as the CPU ops
 #include "op_shared.h"
 
 namespace torchclip {
@@ -79,6 +80,22 @@ DeviceSplit split_tensors(at::TensorList tensors, const char* op, c10::Device de
     } else {
       split.aten_path.push_back(static_cast<int64_t>(i));
     }
+  }
+  return split;
+}
+
+// The walk's split of `tensors` (fast_path.cpp; every tensor checked there) as the kernels take it.
+DeviceSplit from_walk(at::TensorList tensors, const Split& walked) {
+  TORCH_CHECK(tensors.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()), "torchclip: ",
+      tensors.size(), " tensors is more than the CUDA kernels take in one call (2^31 - 1)");
+  DeviceSplit split;
+  split.device = tensors[0].device();
+  split.promoted = walked.promoted;
+  split.aten_path = walked.aten_path;
+  split.spans.resize(walked.spans.size());
+  for (size_t k = 0; k < walked.spans.size(); ++k) {
+    const cpu::TensorSpan& span = walked.spans[k];
+    split.spans[k] = {span.data, span.numel, span.dtype, static_cast<int32_t>(walked.span_source[k])};
   }
   return split;
 }
@@ -154,20 +171,27 @@ cudaStream_t current_stream() {
   return c10::cuda::getCurrentCUDAStream().stream();
 }
 
-std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_cuda(at::TensorList tensors, double ord, bool error_if_nonfinite) {
-  constexpr const char* op = "torchclip.multi_tensor_norm";
-  const c10::Device device = op_device(tensors, nullptr);
-  const c10::cuda::CUDAGuard guard(device);
-  const DeviceSplit split = split_tensors(tensors, op, device);
+// Each op below in two parts, as the CPU ops (cpu/ops_cpu.h): *_on takes a split list, from the op's
+// own split_tensors (the dispatcher's route) or from the walk (CudaSplitOps, the fast path's).
+constexpr const char* kNormOp = "torchclip.multi_tensor_norm";
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_on(at::TensorList tensors, const DeviceSplit& split, double ord,
+    bool error_if_nonfinite) {
+  const c10::cuda::CUDAGuard guard(split.device);
   const cudaStream_t stream = current_stream();
-  const at::Tensor norms = tensor_norms(tensors, split, ord, op, stream);
-  at::Tensor total = at::empty({}, float64_on(device));
+  const at::Tensor norms = tensor_norms(tensors, split, ord, kNormOp, stream);
+  at::Tensor total = at::empty({}, float64_on(split.device));
   cuda::total_norm(norms.data_ptr<double>(), norms.numel(), norm_order(ord), total.data_ptr<double>(), nullptr,
       0.0, 0.0, false, stream);
   if (error_if_nonfinite) {
     check_finite_total(total.item<double>(), ord, true);  // the check needs the value: a sync, as torch's
   }
   return {total.to(total_norm_dtype(split.promoted)), norms};
+}
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_cuda(at::TensorList tensors, double ord, bool error_if_nonfinite) {
+  const c10::Device device = op_device(tensors, nullptr);
+  return multi_tensor_norm_on(tensors, split_tensors(tensors, kNormOp, device), ord, error_if_nonfinite);
 }
 
 void multi_tensor_scale_cuda(at::TensorList tensors, const at::Tensor& scale) {
@@ -211,12 +235,11 @@ void multi_tensor_scale_cuda(at::TensorList tensors, const at::Tensor& scale) {
   }
 }
 
-void multi_tensor_clamp_cuda(at::TensorList tensors, double min, double max) {
-  constexpr const char* op = "torchclip.multi_tensor_clamp_";
-  const c10::Device device = op_device(tensors, nullptr);
-  const c10::cuda::CUDAGuard guard(device);
-  const DeviceSplit split = split_tensors(tensors, op, device);
-  check_clampable(tensors, split.aten_path, op);
+constexpr const char* kClampOp = "torchclip.multi_tensor_clamp_";
+
+void multi_tensor_clamp_on(at::TensorList tensors, const DeviceSplit& split, double min, double max) {
+  const c10::cuda::CUDAGuard guard(split.device);
+  check_clampable(tensors, split.aten_path, kClampOp);
   if (!split.spans.empty()) {
     cuda::clamp(split.spans.data(), static_cast<int64_t>(split.spans.size()), min, max, current_stream());
   }
@@ -225,18 +248,22 @@ void multi_tensor_clamp_cuda(at::TensorList tensors, double min, double max) {
   }
 }
 
-at::Tensor clip_grad_norm_cuda(at::TensorList grads, double max_norm, double norm_type, bool error_if_nonfinite,
-    double eps, bool norm_at_least_float32, c10::string_view nonfinite) {
-  constexpr const char* op = "torchclip.clip_grad_norm_";
-  const NonFinite policy = parse_nonfinite(nonfinite, op);
-  const c10::Device device = op_device(grads, nullptr);
-  const c10::cuda::CUDAGuard guard(device);
-  const DeviceSplit split = split_tensors(grads, op, device);
+void multi_tensor_clamp_cuda(at::TensorList tensors, double min, double max) {
+  const c10::Device device = op_device(tensors, nullptr);
+  multi_tensor_clamp_on(tensors, split_tensors(tensors, kClampOp, device), min, max);
+}
+
+constexpr const char* kClipGradNormOp = "torchclip.clip_grad_norm_";
+
+at::Tensor clip_grad_norm_on(at::TensorList grads, const DeviceSplit& split, double max_norm, double norm_type,
+    bool error_if_nonfinite, double eps, bool norm_at_least_float32, NonFinite policy) {
+  constexpr const char* op = kClipGradNormOp;
+  const c10::cuda::CUDAGuard guard(split.device);
   check_writable(grads, split.aten_path, op);
   const cudaStream_t stream = current_stream();
   const at::Tensor norms = tensor_norms(grads, split, norm_type, op, stream);
-  at::Tensor total = at::empty({}, float64_on(device));
-  at::Tensor coefficient = at::empty({}, float64_on(device));
+  at::Tensor total = at::empty({}, float64_on(split.device));
+  at::Tensor coefficient = at::empty({}, float64_on(split.device));
   // torch's coefficient, max_norm / (total_norm + eps) clamped to at most 1, from the float64 norm and
   // on the device; 1 for a non-finite norm under "skip".
   cuda::total_norm(norms.data_ptr<double>(), norms.numel(), norm_order(norm_type), total.data_ptr<double>(),
@@ -258,17 +285,25 @@ at::Tensor clip_grad_norm_cuda(at::TensorList grads, double max_norm, double nor
   return total.to(dtype);
 }
 
-at::Tensor clip_by_tensor_norm_cuda(at::TensorList tensors, double max_norm, c10::string_view nonfinite) {
-  constexpr const char* op = "torchclip.clip_by_tensor_norm_";
-  const NonFinite policy = parse_nonfinite(nonfinite, op);
-  const c10::Device device = op_device(tensors, nullptr);
-  const c10::cuda::CUDAGuard guard(device);
-  const DeviceSplit split = split_tensors(tensors, op, device);
+at::Tensor clip_grad_norm_cuda(at::TensorList grads, double max_norm, double norm_type, bool error_if_nonfinite,
+    double eps, bool norm_at_least_float32, c10::string_view nonfinite) {
+  const NonFinite policy = parse_nonfinite(nonfinite, kClipGradNormOp);
+  const c10::Device device = op_device(grads, nullptr);
+  return clip_grad_norm_on(grads, split_tensors(grads, kClipGradNormOp, device), max_norm, norm_type,
+      error_if_nonfinite, eps, norm_at_least_float32, policy);
+}
+
+constexpr const char* kClipByTensorNormOp = "torchclip.clip_by_tensor_norm_";
+
+at::Tensor clip_by_tensor_norm_on(at::TensorList tensors, const DeviceSplit& split, double max_norm,
+    NonFinite policy) {
+  constexpr const char* op = kClipByTensorNormOp;
+  const c10::cuda::CUDAGuard guard(split.device);
   check_writable(tensors, split.aten_path, op);
   const cudaStream_t stream = current_stream();
   const at::Tensor norms = tensor_norms(tensors, split, 2.0, op, stream);
-  const at::Tensor scales = at::empty({norms.numel()}, float64_on(device));
-  const at::Tensor any_nonfinite = at::empty({}, float64_on(device).dtype(at::kInt));
+  const at::Tensor scales = at::empty({norms.numel()}, float64_on(split.device));
+  const at::Tensor any_nonfinite = at::empty({}, float64_on(split.device).dtype(at::kInt));
   cuda::tensor_clip_scales(norms.data_ptr<double>(), norms.numel(), max_norm, policy == NonFinite::Skip,
       scales.data_ptr<double>(), any_nonfinite.data_ptr<int32_t>(), stream);
   if (policy == NonFinite::Raise) {
@@ -283,6 +318,38 @@ at::Tensor clip_by_tensor_norm_cuda(at::TensorList tensors, double max_norm, c10
   return norms;
 }
 
+at::Tensor clip_by_tensor_norm_cuda(at::TensorList tensors, double max_norm, c10::string_view nonfinite) {
+  const NonFinite policy = parse_nonfinite(nonfinite, kClipByTensorNormOp);
+  const c10::Device device = op_device(tensors, nullptr);
+  return clip_by_tensor_norm_on(tensors, split_tensors(tensors, kClipByTensorNormOp, device), max_norm, policy);
+}
+
+// ---- the walk's entry points (CudaSplitOps) -----------------------------------------------------
+
+at::Tensor total_norm_walked(at::TensorList tensors, const Split& walked, double ord, bool error_if_nonfinite) {
+  return std::get<0>(multi_tensor_norm_on(tensors, from_walk(tensors, walked), ord, error_if_nonfinite));
+}
+
+at::Tensor clip_grad_norm_walked(at::TensorList grads, const Split& walked, double max_norm, double norm_type,
+    bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite) {
+  const NonFinite policy = parse_nonfinite(nonfinite, kClipGradNormOp);
+  return clip_grad_norm_on(grads, from_walk(grads, walked), max_norm, norm_type, error_if_nonfinite, eps,
+      norm_at_least_float32, policy);
+}
+
+at::Tensor clip_by_tensor_norm_walked(at::TensorList tensors, const Split& walked, double max_norm,
+    c10::string_view nonfinite) {
+  const NonFinite policy = parse_nonfinite(nonfinite, kClipByTensorNormOp);
+  return clip_by_tensor_norm_on(tensors, from_walk(tensors, walked), max_norm, policy);
+}
+
+void clamp_walked(at::TensorList tensors, const Split& walked, double min, double max) {
+  multi_tensor_clamp_on(tensors, from_walk(tensors, walked), min, max);
+}
+
+const CudaSplitOps kSplitOps{&total_norm_walked, &clip_grad_norm_walked, &clip_by_tensor_norm_walked,
+    &clamp_walked};
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchclip, CUDA, m) {
@@ -296,13 +363,24 @@ TORCH_LIBRARY_IMPL(torchclip, CUDA, m) {
 }  // namespace torchclip
 
 #ifdef TORCHCLIP_PYTHON_MODULE
-// torchclip._cuda is a Python extension module only so that `import` can load it; loading it runs the
-// registration above (into the library torchclip._C defines, so _C is imported first). It defines no
-// Python names.
+// torchclip._cuda is a Python extension module so that `import` can load it; loading it runs the
+// registration above (into the library torchclip._C defines, so _C is imported first). Its one name,
+// split_ops, is the capsule torchclip._ops hands to _C for the walk.
 PyMODINIT_FUNC PyInit__cuda(void) {
   static PyModuleDef module = {PyModuleDef_HEAD_INIT, "torchclip._cuda",
       "torchclip's CUDA kernels, registered with the dispatcher on import.", -1, nullptr, nullptr, nullptr, nullptr,
       nullptr};
-  return PyModule_Create(&module);
+  PyObject* created = PyModule_Create(&module);
+  if (created == nullptr) {
+    return nullptr;
+  }
+  PyObject* capsule = PyCapsule_New(const_cast<torchclip::CudaSplitOps*>(&torchclip::kSplitOps),
+      torchclip::kCudaSplitOpsCapsule, nullptr);
+  if (capsule == nullptr || PyModule_AddObject(created, "split_ops", capsule) < 0) {
+    Py_XDECREF(capsule);
+    Py_DECREF(created);
+    return nullptr;
+  }
+  return created;
 }
 #endif

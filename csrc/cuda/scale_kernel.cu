@@ -42,10 +42,12 @@ __device__ void scale_chunk(S* x, int64_t n, double coefficient) {
   }
 }
 
-__global__ void __launch_bounds__(kThreads) scale_kernel(const __grid_constant__ LaunchTable table,
-    const double* scales, int64_t stride) {
-  const int t = table.block_tensor[blockIdx.x];
-  const int64_t begin = static_cast<int64_t>(table.block_chunk[blockIdx.x]) * kChunk;
+template <typename Table>
+__global__ void __launch_bounds__(kThreads) scale_kernel(const __grid_constant__ Table table, const double* scales,
+    int64_t stride) {
+  const BlockWork work = block_work(table);
+  const int t = work.t;
+  const int64_t begin = work.chunk * kChunk;
   const int64_t n = table.numel[t] - begin < kChunk ? table.numel[t] - begin : kChunk;
   // The same address for every thread of the block: one transaction, broadcast.
   const double coefficient = scales[table.index[t] * stride];
@@ -58,8 +60,8 @@ __global__ void __launch_bounds__(kThreads) scale_kernel(const __grid_constant__
 }  // namespace
 
 void scale(const DeviceSpan* spans, int64_t count, const double* scales, int64_t stride, cudaStream_t stream) {
-  multi_tensor_apply(spans, count, [&](const LaunchTable& table, int blocks) {
-    scale_kernel<<<blocks, kThreads, 0, stream>>>(table, scales, stride);
+  multi_tensor_apply(spans, count, [&](const auto& table, int blocks) {
+    scale_kernel<std::decay_t<decltype(table)>><<<blocks, kThreads, 0, stream>>>(table, scales, stride);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

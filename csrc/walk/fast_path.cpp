@@ -3,15 +3,25 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <ATen/record_function.h>
 
+#include <atomic>
 #include <optional>
 #include <tuple>
 
 #include "cpu/ops_cpu.h"
-#include "op_handles.h"
+#include "cuda_split_ops.h"
 #include "walk/param_walk.h"
 
 namespace torchclip::walk {
 namespace {
+
+std::atomic<const CudaSplitOps*> cuda_split_ops{nullptr};
+
+const CudaSplitOps& cuda_ops() {
+  const CudaSplitOps* ops = cuda_split_ops.load(std::memory_order_acquire);
+  // The walk gathers CUDA tensors only when _C was built with CUDA, and torchclip imports _cuda then.
+  TORCH_CHECK(ops != nullptr, "torchclip: the CUDA kernels (torchclip._cuda) were built but not loaded");
+  return *ops;
+}
 
 // A Python float or int as a double; nothing for anything else (the Python path converts it or names
 // it), or for an int too large for a double (float() raises there, naming the argument).
@@ -44,24 +54,31 @@ py::object wrap(at::Tensor tensor) {
   return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(tensor)));
 }
 
-// Runs the op on the gathered tensors: on the CPU its implementation, called directly under a profiler
-// event with the op's name (what the dispatcher would record), elsewhere the op through the
-// dispatcher, which records it. Without the GIL when the tensors are owned.
-template <typename OnCpu, typename ThroughDispatcher>
-auto run(const GatheredTensors& gathered, const char* op, const OnCpu& on_cpu,
-    const ThroughDispatcher& through_dispatcher) {
+// Runs the op on the gathered tensors, its implementation for their device (the CPU's, or CUDA's
+// through CudaSplitOps) called directly on the walk's split, under a profiler event with the op's
+// name (what the dispatcher would record). Without the GIL when the tensors are owned.
+template <typename OnCpu, typename OnCuda>
+auto run(const GatheredTensors& gathered, const char* op, const OnCpu& on_cpu, const OnCuda& on_cuda) {
   std::optional<py::gil_scoped_release> no_gil;
   if (gathered.may_release_gil()) {
     no_gil.emplace();
   }
-  if (!gathered.on_cpu()) {
-    return through_dispatcher(gathered.tensors());
-  }
   RECORD_FUNCTION(op, std::vector<c10::IValue>{c10::IValue(gathered.tensors())});
-  return on_cpu(gathered.tensors(), gathered.split());
+  if (gathered.on_cpu()) {
+    return on_cpu(gathered.tensors(), gathered.split());
+  }
+  return on_cuda(cuda_ops(), gathered.tensors(), gathered.split());
 }
 
 }  // namespace
+
+void use_cuda_split_ops(py::capsule ops) {
+  auto* table = static_cast<const CudaSplitOps*>(PyCapsule_GetPointer(ops.ptr(), kCudaSplitOpsCapsule));
+  if (table == nullptr) {
+    throw py::error_already_set();
+  }
+  cuda_split_ops.store(table, std::memory_order_release);
+}
 
 py::object total_norm_of_plain(py::handle tensors, py::handle norm_type_arg, py::handle error_if_nonfinite) {
   const std::optional<double> norm_type = plain_number(norm_type_arg);
@@ -74,8 +91,8 @@ py::object total_norm_of_plain(py::handle tensors, py::handle norm_type_arg, py:
       [&](at::TensorList list, const Split& split) {
         return total_norm_split(list, split, *norm_type, nonfinite_raises);
       },
-      [&](at::TensorList list) {
-        return std::get<0>(op_handles::multi_tensor_norm().call(list, *norm_type, nonfinite_raises));
+      [&](const CudaSplitOps& cuda, at::TensorList list, const Split& split) {
+        return cuda.total_norm(list, split, *norm_type, nonfinite_raises);
       }));
 }
 
@@ -93,9 +110,9 @@ py::object clip_grad_norm_of_plain(py::handle parameters, py::handle max_norm_ar
         return clip_grad_norm_split(list, split, *max_norm, *norm_type, nonfinite_raises, eps, norm_at_least_float32,
             nonfinite);
       },
-      [&](at::TensorList list) {
-        return op_handles::clip_grad_norm_().call(list, *max_norm, *norm_type, nonfinite_raises, eps,
-            norm_at_least_float32, nonfinite);
+      [&](const CudaSplitOps& cuda, at::TensorList list, const Split& split) {
+        return cuda.clip_grad_norm(list, split, *max_norm, *norm_type, nonfinite_raises, eps, norm_at_least_float32,
+            nonfinite);
       });
   grads.bump_versions();
   return wrap(std::move(total));
@@ -111,7 +128,9 @@ py::object clip_by_tensor_norm_of_plain(py::handle parameters, double max_norm, 
       [&](at::TensorList list, const Split& split) {
         return clip_by_tensor_norm_split(list, split, max_norm, nonfinite);
       },
-      [&](at::TensorList list) { return op_handles::clip_by_tensor_norm_().call(list, max_norm, nonfinite); });
+      [&](const CudaSplitOps& cuda, at::TensorList list, const Split& split) {
+        return cuda.clip_by_tensor_norm(list, split, max_norm, nonfinite);
+      });
   grads.bump_versions();
   return wrap(std::move(norms));
 }
@@ -124,7 +143,9 @@ bool clamp_grads_of_plain(py::handle parameters, double min, double max, bool ho
   if (!grads.empty()) {
     run(grads, "torchclip::multi_tensor_clamp_",
         [&](at::TensorList list, const Split& split) { multi_tensor_clamp_split(list, split, min, max); },
-        [&](at::TensorList list) { op_handles::multi_tensor_clamp_().call(list, min, max); });
+        [&](const CudaSplitOps& cuda, at::TensorList list, const Split& split) {
+          cuda.clamp(list, split, min, max);
+        });
     grads.bump_versions();
   }
   return true;

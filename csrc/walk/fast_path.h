@@ -1,7 +1,8 @@
-// The eager fast path: each entry point walks the parameters (param_walk.h) and calls the CPU ops'
-// implementations directly (cpu/ops_cpu.h), or for CUDA tensors the ops through the dispatcher
-// (op_handles.h). Each answers None (False for the clamps) when the walk declines, and the Python
-// routing (torchclip/clip_grad.py, clip.py) then takes the general path. Bound in python_module.cpp.
+// The eager fast path: each entry point walks the parameters (param_walk.h) and calls the ops'
+// implementations for their device directly, on the walk's split: the CPU's (cpu/ops_cpu.h) or
+// CUDA's (cuda_split_ops.h). Each answers None (False for the clamps) when the walk declines, and the
+// Python routing (torchclip/clip_grad.py, clip.py) then takes the general path. Bound in
+// python_module.cpp.
 //
 // They take the drop-ins' arguments as the caller passed them, so that the drop-ins call here first
 // thing: converting in Python first cost 10-20 us of a 0.5 ms call on 10,000 parameters. A number
@@ -15,6 +16,10 @@
 namespace torchclip::walk {
 
 namespace py = pybind11;
+
+// Where the walk finds the CUDA implementations: torchclip._cuda's split_ops capsule, handed over by
+// torchclip._ops at import.
+void use_cuda_split_ops(py::capsule ops);
 
 // get_total_norm: the total norm.
 py::object total_norm_of_plain(py::handle tensors, py::handle norm_type, py::handle error_if_nonfinite);

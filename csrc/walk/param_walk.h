@@ -1,6 +1,6 @@
 // The parameter walk: one C++ pass over a Python list of parameters (or tensors) that gathers their
-// gradients (or themselves), checks that the CPU ops' implementations may be called on them directly,
-// and, for CPU tensors, files them into the Split those implementations take (cpu/ops_cpu.h).
+// gradients (or themselves), checks that the ops' implementations may be called on them directly, and
+// files them into the Split those implementations take (cpu/ops_cpu.h; CUDA's, cuda_split_ops.h).
 //
 // Why a walk in C++ at all: reading .grad from Python costs ~55 ns per parameter, and the dispatcher's
 // list handling (key sets, refcounts, a second walk to split, the Autograd kernel's version bumps)
@@ -61,12 +61,12 @@ class GatheredTensors {
   bool empty() const { return tensors_.empty(); }
   bool on_cpu() const { return device_.is_cpu(); }
   at::TensorList tensors() const { return tensors_; }
-  const Split& split() const { return split_; }  // on the CPU only
+  const Split& split() const { return split_; }
   // Whether the kernels may run without the GIL: only when the tensors are owned, not borrowed.
   bool may_release_gil() const { return !borrowed_; }
 
   // What the Autograd kernels of the mutating ops do after writing (ops_autograd.cpp), which the
-  // dispatcher's path would have run: CPU only, as the CUDA path goes through the dispatcher.
+  // dispatcher's path would have run.
   void bump_versions() const;
 
  private:
