@@ -60,7 +60,8 @@ __host__ __device__ constexpr int64_t chunk_count(int64_t numel) {
   return (numel + kChunk - 1) / kChunk;
 }
 
-// Whether the current device takes a LargeTable: built with CUDA 12.1+ and compute capability 7.0+.
+// Whether the current device takes a LargeTable: built with CUDA 12.1+, a 12.1+ driver (minor-version
+// compatibility runs 12.x builds on 12.0 drivers) and compute capability 7.0+.
 inline bool large_tables_allowed() {
 #if CUDART_VERSION >= 12010
   constexpr int kCachedDevices = 64;
@@ -71,11 +72,14 @@ inline bool large_tables_allowed() {
     return allowed[device].load(std::memory_order_relaxed) == 2;
   }
   int major = 0;
+  int driver = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  C10_CUDA_CHECK(cudaDriverGetVersion(&driver));
+  const bool allows = major >= 7 && driver >= 12010;
   if (device < kCachedDevices) {
-    allowed[device].store(major >= 7 ? 2 : 1, std::memory_order_relaxed);
+    allowed[device].store(allows ? 2 : 1, std::memory_order_relaxed);
   }
-  return major >= 7;
+  return allows;
 #else
   return false;
 #endif

@@ -84,7 +84,7 @@ DeviceSplit split_tensors(at::TensorList tensors, const char* op, c10::Device de
   return split;
 }
 
-// The walk's split of `tensors` (fast_path.cpp; every tensor checked there) as the kernels take it.
+// The walk's split of `tensors` (walk/param_walk.cpp, which checked every tensor) as the kernels take it.
 DeviceSplit from_walk(at::TensorList tensors, const Split& walked) {
   TORCH_CHECK(tensors.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()), "torchclip: ",
       tensors.size(), " tensors is more than the CUDA kernels take in one call (2^31 - 1)");
