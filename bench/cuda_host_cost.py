@@ -1,6 +1,7 @@
 """Where the host time of a CUDA clip over many small tensors goes (issue 19's "say where the
-remaining time goes"): each op through the drop-in (walk + dispatcher + kernels), the op alone on a
-ready list (no walk), the per-call launch count and the launches' share of the host time, from
+remaining time goes"): each op through the drop-in (the walk, then the CUDA implementation called
+directly), the op through torch.ops on a ready list (no walk; the list converted and dispatched), the
+per-call launch count, the launches' share of the host time and the kernels' time on the device, from
 torch.profiler. Run on a machine with a GPU: python bench/cuda_host_cost.py [--workload 10000x100 ...]."""
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ struct CudaSplitOps {
   void (*clamp)(at::TensorList tensors, const Split& split, double min, double max);
 };
 
-// The capsule's name, which PyCapsule_GetPointer checks.
-constexpr const char* kCudaSplitOpsCapsule = "torchclip._cuda.split_ops";
+// The capsule's name, which _C checks: change its version with CudaSplitOps' layout, so that a _cuda
+// module left from another build is refused at import instead of called.
+constexpr const char* kCudaSplitOpsCapsule = "torchclip._cuda.split_ops.v1";
 
 }  // namespace torchclip

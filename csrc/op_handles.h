@@ -1,7 +1,6 @@
 // Typed dispatcher handles for the torchclip ops (schemas in ops.cpp), one per op with its C++
 // signature, for the C++ callers that go through the dispatcher: the Autograd kernels
-// (ops_autograd.cpp) redispatch through them, and the eager walk (python_module.cpp) calls the device
-// kernels of non-CPU tensors through them.
+// (ops_autograd.cpp) redispatch through them.
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -32,8 +32,11 @@ if _built_against != torch.__version__.split("+")[0]:
 
 if _C.cuda_built():
     # Importing it registers the CUDA kernels into _C's library (so: after _C); its capsule gives the
-    # C++ walk the same implementations to call directly.
-    _C.use_cuda_split_ops(importlib.import_module("torchclip._cuda").split_ops)
+    # C++ walk the same implementations to call directly (_C checks that both come from one build).
+    _cuda = importlib.import_module("torchclip._cuda")
+    if not hasattr(_cuda, "split_ops"):
+        raise ImportError(f"torchclip._cuda comes from an older build than torchclip._C. {_REBUILD}")
+    _C.use_cuda_split_ops(_cuda.split_ops)
 
 # ---- CPU kernel library selection -----------------------------------------------------------------
 
@@ -227,8 +230,8 @@ def kernels_serve(tensors: Sequence[torch.Tensor], devices: Sequence[str] = KERN
 
 
 # ---- the eager fast path (csrc/walk/fast_path.h) ---------------------------------------------------
-# The parameter walk in C++, then the CPU ops' own implementations, or for CUDA tensors the ops through
-# the dispatcher. Each returns None (False for the clamps) when the walk declines; the caller then takes
+# The parameter walk in C++, then the ops' own implementations for the tensors' device (the CPU's, or
+# CUDA's from torchclip._cuda's capsule). Each returns None (False for the clamps) when the walk declines; the caller then takes
 # the general path. Never called while dynamo traces (dynamo_is_tracing).
 total_norm_of_plain = _C.total_norm_of_plain
 clip_grad_norm_of_plain = _C.clip_grad_norm_of_plain

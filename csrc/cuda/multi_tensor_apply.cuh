@@ -60,7 +60,25 @@ __host__ __device__ constexpr int64_t chunk_count(int64_t numel) {
   return (numel + kChunk - 1) / kChunk;
 }
 
-// Whether the current device takes a LargeTable: built with CUDA 12.1+, a 12.1+ driver (minor-version
+// Whether LargeTable kernels were compiled: ptxas refuses parameters over 4 KiB for any target below
+// sm_70, so an architecture list that reaches back to Maxwell or Pascal builds small tables only.
+// (nvcc defines __CUDA_ARCH_LIST__, every target of the compilation, in the host pass too.)
+#if CUDART_VERSION >= 12010 && defined(__CUDA_ARCH_LIST__)
+constexpr int kTargetArchs[] = {__CUDA_ARCH_LIST__};
+constexpr bool every_target_at_least(int arch) {
+  for (const int target : kTargetArchs) {
+    if (target < arch) {
+      return false;
+    }
+  }
+  return true;
+}
+constexpr bool kLargeTablesBuilt = every_target_at_least(700);
+#else
+constexpr bool kLargeTablesBuilt = false;
+#endif
+
+// Whether the current device takes a LargeTable: the kernels built, a 12.1+ driver (minor-version
 // compatibility runs 12.x builds on 12.0 drivers) and compute capability 7.0+.
 inline bool large_tables_allowed() {
 #if CUDART_VERSION >= 12010
@@ -86,7 +104,7 @@ inline bool large_tables_allowed() {
 }
 
 // Fills tables with every chunk of every span, in list order, and calls launch(table, blocks) for each
-// full table and for the last one. The slots of multi-chunk spans are numbered in the same order as
+// table that is full (of tensors, or of a launch's blocks) and for the last one. The slots of multi-chunk spans are numbered in the same order as
 // norm_slot_count counts them.
 template <typename Table, typename Launch>
 void fill_tables(const DeviceSpan* spans, int64_t count, Launch& launch) {
@@ -129,11 +147,13 @@ void fill_tables(const DeviceSpan* spans, int64_t count, Launch& launch) {
 // parameter copy per launch.
 template <typename Launch>
 void multi_tensor_apply(const DeviceSpan* spans, int64_t count, Launch&& launch) {
-  if (count <= SmallTable::capacity || !large_tables_allowed()) {
-    fill_tables<SmallTable>(spans, count, launch);
-  } else {
-    fill_tables<LargeTable>(spans, count, launch);
+  if constexpr (kLargeTablesBuilt) {  // (a discarded branch instantiates no LargeTable kernel)
+    if (count > SmallTable::capacity && large_tables_allowed()) {
+      fill_tables<LargeTable>(spans, count, launch);
+      return;
+    }
   }
+  fill_tables<SmallTable>(spans, count, launch);
 }
 
 // ---- device side -------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 // Per-tensor p-norms of many tensors in one pass, and the total norm and clip coefficients from them.
 //
 // Pass: every block reduces its chunk to a Partial (sum of |x|^p or count, the largest or smallest
-// |x|, NaN/inf flags), accumulating in float64. A one-chunk tensor's block finishes its norm itself.
+// |x|, NaN/inf flags; the sum alone for the 2-norm of 16/32-bit data, which needs nothing else),
+// accumulating in float64. A one-chunk tensor's block finishes its norm itself.
 // A longer tensor's blocks each write their Partial to the tensor's fixed slots and count themselves
 // in; the block that arrives last (any block may, whichever it is) combines the slots in slot order
 // and finishes the norm. The arithmetic never depends on which block that is or on timing, so the

@@ -73,11 +73,12 @@ auto run(const GatheredTensors& gathered, const char* op, const OnCpu& on_cpu, c
 }  // namespace
 
 void use_cuda_split_ops(py::capsule ops) {
-  auto* table = static_cast<const CudaSplitOps*>(PyCapsule_GetPointer(ops.ptr(), kCudaSplitOpsCapsule));
-  if (table == nullptr) {
-    throw py::error_already_set();
+  if (!PyCapsule_IsValid(ops.ptr(), kCudaSplitOpsCapsule)) {
+    throw py::import_error(std::string("torchclip._cuda and torchclip._C come from different builds (_C expects a "
+        "capsule named ") + kCudaSplitOpsCapsule + "); rebuild: pip install --no-build-isolation -e .");
   }
-  cuda_split_ops.store(table, std::memory_order_release);
+  cuda_split_ops.store(static_cast<const CudaSplitOps*>(PyCapsule_GetPointer(ops.ptr(), kCudaSplitOpsCapsule)),
+      std::memory_order_release);
 }
 
 py::object total_norm_of_plain(py::handle tensors, py::handle norm_type_arg, py::handle error_if_nonfinite) {
