@@ -104,8 +104,8 @@ inline bool large_tables_allowed() {
 }
 
 // Fills tables with every chunk of every span, in list order, and calls launch(table, blocks) for each
-// table that is full (of tensors, or of a launch's blocks) and for the last one. The slots of multi-chunk spans are numbered in the same order as
-// norm_slot_count counts them.
+// table that is full (of tensors, or of a launch's blocks) and for the last one. The slots of
+// multi-chunk spans are numbered in the same order as norm_slot_count counts them.
 template <typename Table, typename Launch>
 void fill_tables(const DeviceSpan* spans, int64_t count, Launch& launch) {
   Table table;
