@@ -231,8 +231,8 @@ def kernels_serve(tensors: Sequence[torch.Tensor], devices: Sequence[str] = KERN
 
 # ---- the eager fast path (csrc/walk/fast_path.h) ---------------------------------------------------
 # The parameter walk in C++, then the ops' own implementations for the tensors' device (the CPU's, or
-# CUDA's from torchclip._cuda's capsule). Each returns None (False for the clamps) when the walk declines; the caller then takes
-# the general path. Never called while dynamo traces (dynamo_is_tracing).
+# CUDA's from torchclip._cuda's capsule). Each returns None (False for the clamps) when the walk
+# declines; the caller then takes the general path. Never called while dynamo traces (dynamo_is_tracing).
 total_norm_of_plain = _C.total_norm_of_plain
 clip_grad_norm_of_plain = _C.clip_grad_norm_of_plain
 clip_by_tensor_norm_of_plain = _C.clip_by_tensor_norm_of_plain
