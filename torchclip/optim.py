@@ -19,8 +19,9 @@ one ClipGradByGlobalNorm serves every parameter, the hook computes the global no
 gradients are still scaled), and nonfinite="skip" as its found_inf: the kernel divides each gradient
 as it reads it, so the clip costs one read of the gradients and no host sync. torch's kernels write
 the clipped gradient back; torchclip.optim's Adam and AdamW on the CPU step with torchclip.adam_step_
-(torchclip/_adam_step.py), which leaves the gradients as they were. Other clips (per tensor, per element, excluded parameters) clip in place first; under
-GradScaler they unscale the gradients first, as scaler.unscale_ would.
+(torchclip/_adam_step.py), which leaves the gradients as they were. Other clips (per tensor, per
+element, excluded parameters) clip in place first; under GradScaler they unscale the gradients first,
+as scaler.unscale_ would.
 
 Which clip a parameter gets: its param group's 'grad_clip' (Paddle's per-group setting), else the
 optimizer's grad_clip, else what set_gradient_clip gave it. Parameters sharing one clip object are
