@@ -8,14 +8,15 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/string_view.h>
 
-#include "cpu/ops_cpu.h"  // Split: the walk's split, the same for both devices
+#include "cpu/ops_cpu.h"  // Split (the walk's, the same for both devices) and NormClipStats
 
 namespace torchclip {
 
 struct CudaSplitOps {
   at::Tensor (*total_norm)(at::TensorList tensors, const Split& split, double ord, bool error_if_nonfinite);
   at::Tensor (*clip_grad_norm)(at::TensorList grads, const Split& split, double max_norm, double norm_type,
-      bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite);
+      bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite,
+      NormClipStats* stats);
   at::Tensor (*clip_by_tensor_norm)(at::TensorList tensors, const Split& split, double max_norm,
       c10::string_view nonfinite);
   void (*clamp)(at::TensorList tensors, const Split& split, double min, double max);
@@ -23,6 +24,6 @@ struct CudaSplitOps {
 
 // The capsule's name, which _C checks: change its version with CudaSplitOps' layout, so that a _cuda
 // module left from another build is refused at import instead of called.
-constexpr const char* kCudaSplitOpsCapsule = "torchclip._cuda.split_ops.v1";
+constexpr const char* kCudaSplitOpsCapsule = "torchclip._cuda.split_ops.v2";
 
 }  // namespace torchclip

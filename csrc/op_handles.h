@@ -34,8 +34,8 @@ inline const auto& multi_tensor_clamp_() {
 }
 
 inline const auto& clip_grad_norm_() {
-  static const auto op = find<at::Tensor(at::TensorList, double, double, bool, double, bool, c10::string_view)>(
-      "torchclip::clip_grad_norm_");
+  static const auto op = find<std::tuple<at::Tensor, at::Tensor, at::Tensor>(at::TensorList, double, double, bool,
+      double, bool, c10::string_view)>("torchclip::clip_grad_norm_");
   return op;
 }
 

@@ -18,11 +18,12 @@ TORCH_LIBRARY(torchclip, m) {
   // Clipping by the total norm, for torch.nn.utils.clip_grad_norm_ (eps = 1e-6) and Paddle's
   // ClipGradByGlobalNorm (eps = 0: clip_norm / max(global_norm, clip_norm) is the same number): every
   // tensor scaled by min(max_norm / (total_norm + eps), 1) computed from the float64 norm. Returns the
-  // total norm in torch's result dtype, or in at least float32 with norm_at_least_float32 (Paddle's).
+  // total norm in torch's result dtype, or in at least float32 with norm_at_least_float32 (Paddle's),
+  // then the per-tensor norms (float64) and that coefficient (float64, 0-d), for logging.
   // nonfinite: what a NaN/inf norm does: "propagate" (scale by it, torch's way), "raise" (as
   // error_if_nonfinite) or "skip" (write nothing); both checks run before any write.
   m.def("clip_grad_norm_(Tensor(a!)[] grads, float max_norm, float norm_type, bool error_if_nonfinite, "
-        "float eps=1e-06, bool norm_at_least_float32=False, str nonfinite=\"propagate\") -> Tensor");
+        "float eps=1e-06, bool norm_at_least_float32=False, str nonfinite=\"propagate\") -> (Tensor, Tensor, Tensor)");
   // Each tensor scaled by max_norm / its own 2-norm where that norm exceeds max_norm (Paddle's
   // ClipGradByNorm); returns the per-tensor norms before clipping (float64). nonfinite as above, for
   // any tensor's norm.

@@ -55,18 +55,19 @@ void multi_tensor_clamp_autograd(c10::DispatchKeySet ks, at::TensorList tensors,
   bump_versions(tensors);
 }
 
-at::Tensor clip_grad_norm_autograd(c10::DispatchKeySet ks, at::TensorList grads, double max_norm, double norm_type,
-    bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> clip_grad_norm_autograd(c10::DispatchKeySet ks, at::TensorList grads,
+    double max_norm, double norm_type, bool error_if_nonfinite, double eps, bool norm_at_least_float32,
+    c10::string_view nonfinite) {
   const auto& op = op_handles::clip_grad_norm_();
   check_not_differentiated(grads, "torchclip.clip_grad_norm_");
-  at::Tensor total;
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> results;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    total = op.redispatch(ks & c10::after_ADInplaceOrView_keyset, grads, max_norm, norm_type, error_if_nonfinite, eps,
-        norm_at_least_float32, nonfinite);
+    results = op.redispatch(ks & c10::after_ADInplaceOrView_keyset, grads, max_norm, norm_type, error_if_nonfinite,
+        eps, norm_at_least_float32, nonfinite);
   }
   bump_versions(grads);
-  return total;
+  return results;
 }
 
 at::Tensor clip_by_tensor_norm_autograd(c10::DispatchKeySet ks, at::TensorList tensors, double max_norm,

@@ -53,7 +53,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("clip_grad_norm_of_plain", &clip_grad_norm_of_plain, py::arg("parameters"), py::arg("max_norm"),
       py::arg("norm_type"), py::arg("error_if_nonfinite"), py::arg("eps") = 1e-6,
       py::arg("norm_at_least_float32") = false, py::arg("honor_need_clip") = false,
-      py::arg("nonfinite") = "propagate");
+      py::arg("nonfinite") = "propagate", py::arg("keep_stats") = false);
   m.def("clip_by_tensor_norm_of_plain", &clip_by_tensor_norm_of_plain, py::arg("parameters"),
       py::arg("max_norm"), py::arg("honor_need_clip"), py::arg("nonfinite") = "propagate");
   m.def("clip_grad_value_of_plain", &clip_grad_value_of_plain, py::arg("parameters"), py::arg("clip_value"));

@@ -219,7 +219,74 @@ def test_general_path_agrees_with_the_kernels(make_clip, dtype):
                                    rtol=CLIP_RTOL[dtype], atol=1e-6)
 
 
-# Lists this long are walked by every intra-op thread (csrc/python_module.cpp); the need_clip marks
+# ---- what the clips keep for logging ---------------------------------------------------------------
+
+
+def as_subclass_grads(params):
+    for p in params:
+        if p.grad is not None:
+            p.grad = p.grad.as_subclass(SubclassedGrad)
+
+
+# Each route of a class: the C++ walk (a parameter list), the dispatcher's op (Paddle's pairs), and the
+# general path of torch ops (a gradient subclass the kernels do not serve).
+ROUTES = {
+    "walk": lambda clip, params: clip(params),
+    "op": lambda clip, params: clip([(p, p.grad) for p in params]),
+    "general": lambda clip, params: (as_subclass_grads(params), clip(params)),
+}
+
+
+def plain(t):
+    return t.as_subclass(torch.Tensor)
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+@pytest.mark.parametrize("clip_norm", [0.05, 100.0])
+def test_global_norm_keeps_each_norm_and_the_coefficient(route, clip_norm):
+    params = params_of(torch.float32, none_every=4)
+    grads64 = [g for g in f64_grads(params) if g is not None]
+    _, global_norm = paddle_global_norm_reference(grads64, clip_norm)
+    clip = ClipGradByGlobalNorm(clip_norm)
+    ROUTES[route](clip, params)
+    norms, coefficient = plain(clip.last_norms), plain(clip.last_clip_coef)
+    assert norms.dtype == coefficient.dtype == torch.float64 and coefficient.shape == ()
+    expected = torch.stack([torch.linalg.vector_norm(g) for g in grads64])
+    torch.testing.assert_close(norms, expected, rtol=1e-6, atol=0)
+    assert coefficient.item() == pytest.approx(clip_norm / max(global_norm, clip_norm), rel=1e-6)
+
+
+@pytest.mark.parametrize("route", ["walk", "op"])
+def test_global_norm_skipped_for_a_nonfinite_norm_keeps_a_coefficient_of_one(route):
+    params = params_of(torch.float32)
+    params[2].grad[0, 0] = math.inf
+    clip = ClipGradByGlobalNorm(0.05, nonfinite="skip")
+    ROUTES[route](clip, params)
+    assert clip.last_clip_coef.item() == 1.0 and math.isinf(clip.last_norms[2].item())
+    assert bool(clip.found_nonfinite)
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+@pytest.mark.parametrize("nonfinite", ["propagate", "skip"])
+def test_per_tensor_norm_keeps_each_coefficient(route, nonfinite):
+    params = params_of(torch.float32)
+    grads64 = f64_grads(params)
+    norms = [float(torch.linalg.vector_norm(g)) for g in grads64]
+    clip_norm = sorted(norms)[len(norms) // 2]
+    if nonfinite == "skip":
+        params[1].grad[0, 0] = math.nan
+    clip = ClipGradByNorm(clip_norm, nonfinite=nonfinite)
+    ROUTES[route](clip, params)
+    coefficients = plain(clip.last_clip_coef)
+    assert coefficients.dtype == torch.float64 and coefficients.shape == (len(params),)
+    if nonfinite == "skip":  # the NaN gradient made the call leave every gradient as it was
+        assert torch.equal(coefficients, torch.ones_like(coefficients))
+        return
+    expected = torch.tensor([1.0 if n <= clip_norm else clip_norm / n for n in norms], dtype=torch.float64)
+    torch.testing.assert_close(coefficients, expected, rtol=1e-6, atol=0)
+
+
+# Lists this long are walked by every intra-op thread (csrc/walk/param_walk.cpp); the need_clip marks
 # are read first, on the calling thread.
 LONG = 5000
 

@@ -284,7 +284,7 @@ def test_clip_grad_norm_matches_torch_nn_utils(dtype, norm_type):
         p.grad = g.clone()
     ours = [g.clone() for g in grads]
     max_norm = 0.25
-    total = ops.clip_grad_norm_(ours, max_norm, norm_type, False)
+    total, norms, kept_coefficient = ops.clip_grad_norm_(ours, max_norm, norm_type, False)
     expected_total = torch.nn.utils.clip_grad_norm_(theirs, max_norm, norm_type)
     assert total.dtype == expected_total.dtype and total.device == expected_total.device
     reference = reference_norm(grads, norm_type)
@@ -292,6 +292,12 @@ def test_clip_grad_norm_matches_torch_nn_utils(dtype, norm_type):
     # The coefficient from the float64 reference; the result rounded to the dtype (values below its
     # normal range keep fewer bits, hence the absolute tolerance).
     coefficient = min(max_norm / (reference + 1e-6), 1.0)
+    # The op also returns each tensor's norm and the coefficient, float64 on the device (for logging).
+    assert norms.dtype == kept_coefficient.dtype == torch.float64 and norms.shape == (len(grads),)
+    assert norms.device == kept_coefficient.device == total.device and kept_coefficient.shape == ()
+    for i, g in enumerate(grads):
+        assert_close_rel(norms[i].item(), reference_norm([g], norm_type), 1e-6)
+    assert_close_rel(kept_coefficient.item(), coefficient, 1e-6)
     tiny = torch.finfo(dtype).tiny
     # torch's own norm overflows a 16-bit dtype where the true one does not (then torch zeroes every
     # gradient): there the float64 reference is the only oracle.
@@ -309,7 +315,7 @@ def test_clip_grad_norm_mixed_list_and_aten_path():
     grads.append(torch.randn(100, 20, device=CUDA)[:, ::2])  # not dense: ATen's path
     grads.append(torch.randn(50, dtype=torch.complex64, device=CUDA))
     before = [g.clone() for g in grads]
-    total = ops.clip_grad_norm_(grads, 1.0, 2.0, False)
+    total, _, _ = ops.clip_grad_norm_(grads, 1.0, 2.0, False)
     reference = ref_norm(before, 2.0)
     assert total.dtype == torch.float64
     assert_close_rel(total.item(), reference, 1e-6)
@@ -322,7 +328,7 @@ def test_clip_grad_norm_mixed_list_and_aten_path():
 
 def test_clip_grad_norm_of_fp32_1e20():
     grads = [torch.full((1000,), 1e20, device=CUDA) for _ in range(10)]
-    total = ops.clip_grad_norm_(grads, 1.0, 2.0, False)
+    total, _, _ = ops.clip_grad_norm_(grads, 1.0, 2.0, False)
     assert total.dtype == torch.float32
     assert_close_rel(total.item(), 1e20 * 100.0, 1e-6)
     assert_close_rel(torch.linalg.vector_norm(torch.cat(grads).double()).item(), 1.0, 1e-5)
@@ -336,7 +342,7 @@ def test_clip_grad_norm_nonfinite_policies():
 
     skipped = grads()
     before = [g.clone() for g in skipped]
-    total = ops.clip_grad_norm_(skipped, 1.0, 2.0, False, nonfinite="skip")
+    total, _, _ = ops.clip_grad_norm_(skipped, 1.0, 2.0, False, nonfinite="skip")
     assert math.isinf(total.item())
     assert all(identical(a, b) for a, b in zip(skipped, before))
     raised = grads()

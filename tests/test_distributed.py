@@ -105,6 +105,8 @@ def worker(rank, world, init_method, norm_type, max_norm):
         expected_global = torchclip.get_total_norm(sharded + replicated)
         torch.testing.assert_close(clip.last_global_norm, expected_global, rtol=1e-6, atol=0)
         scale = min(0.5 / expected_global.item(), 1.0)
+        assert clip.last_norms is None and clip.last_clip_coef.dtype == torch.float64
+        assert clip.last_clip_coef.item() == pytest.approx(scale, rel=1e-6)
         fresh, _ = rank_parameters(rank, world)
         for p, q in zip(params, fresh):
             torch.testing.assert_close(p.grad, q.grad * scale, rtol=1e-6, atol=1e-9)
@@ -163,6 +165,7 @@ def check_dtensor_clipping(full, make_params):
     clip(params)
     torchclip.ClipGradByGlobalNorm(0.5)(reference)
     torch.testing.assert_close(clip.last_global_norm, torchclip.get_total_norm(full), rtol=1e-6, atol=0)
+    assert clip.last_clip_coef.item() == pytest.approx(min(0.5 / clip.last_global_norm.item(), 1.0), rel=1e-6)
     for p, q in zip(params, reference):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-9)
 

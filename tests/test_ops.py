@@ -63,7 +63,10 @@ def test_fake_shapes_and_dtypes():
         total, per_tensor = torch.ops.torchclip.multi_tensor_norm(tensors, 2.0, False)
         assert total.shape == () and total.dtype == torch.float32
         assert per_tensor.shape == (2,) and per_tensor.dtype == torch.float64
-        assert torch.ops.torchclip.clip_grad_norm_(tensors, 1.0, 2.0, False).dtype == torch.float32
+        total, per_tensor, coefficient = torch.ops.torchclip.clip_grad_norm_(tensors, 1.0, 2.0, False)
+        assert total.dtype == torch.float32
+        assert per_tensor.shape == (2,) and per_tensor.dtype == torch.float64
+        assert coefficient.shape == () and coefficient.dtype == torch.float64
 
 
 # ---- the kernels: every compiled instruction set --------------------------------------------------

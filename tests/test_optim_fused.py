@@ -83,7 +83,11 @@ def test_folded_step_is_clip_then_step(name, dtype, forbid_in_place_clip):
         optimizer.step()
         norm = clip_by_hand([q.grad for q in theirs], clip_norm)
         reference.step()
-        torch.testing.assert_close(optimizer.grad_clip.last_global_norm.double(), norm, rtol=1e-5, atol=0)
+        clip = optimizer.grad_clip
+        torch.testing.assert_close(clip.last_global_norm.double(), norm, rtol=1e-5, atol=0)
+        norms = torch.stack([torch.linalg.vector_norm(g.double()) for g in grads])
+        torch.testing.assert_close(clip.last_norms, norms, rtol=1e-6, atol=0)
+        torch.testing.assert_close(clip.last_clip_coef, clip_norm / torch.clamp(norm, min=clip_norm), rtol=1e-5, atol=0)
         for p, q, g in zip(ours, theirs, grads):
             if name in READ_ONLY_STEP:  # torchclip.adam_step_ only reads them: as backward left them
                 assert torch.equal(p.grad, g)

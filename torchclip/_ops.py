@@ -150,8 +150,9 @@ def clip_grad_norm_tensors_(
     eps: float = 1e-6,
     norm_at_least_float32: bool = False,
     nonfinite: str = "propagate",
-) -> torch.Tensor:
-    """Norm and scale of a non-empty gradient list in one call; returns the total norm."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Norm and scale of a non-empty gradient list in one call; returns (the total norm, each gradient's
+    norm in float64, the float64 coefficient every gradient was scaled by)."""
     return _ops.clip_grad_norm_(
         grads, float(max_norm), float(norm_type), bool(error_if_nonfinite), float(eps), bool(norm_at_least_float32),
         nonfinite,
@@ -164,7 +165,8 @@ def _clip_grad_norm_fake(grads, max_norm, norm_type, error_if_nonfinite, eps=1e-
     dtype = total_norm_dtype(grads)
     if norm_at_least_float32:
         dtype = torch.promote_types(dtype, torch.float32)
-    return grads[0].new_empty((), dtype=dtype)
+    return (grads[0].new_empty((), dtype=dtype), grads[0].new_empty((len(grads),), dtype=torch.float64),
+            grads[0].new_empty((), dtype=torch.float64))
 
 
 def clip_by_tensor_norm_(tensors: Sequence[torch.Tensor], max_norm: float, nonfinite: str = "propagate") -> torch.Tensor:

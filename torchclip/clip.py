@@ -208,7 +208,8 @@ class ClipGradByNorm(ClipGradBase):
     """Clip each gradient by its own L2 norm (Paddle's paddle.nn.ClipGradByNorm).
 
     A gradient whose norm is <= clip_norm is unchanged; otherwise it is multiplied by clip_norm / norm.
-    `last_norms` holds the last call's per-gradient norms (float64, before clipping).
+    `last_norms` holds the last call's per-gradient norms (float64, before clipping) and
+    `last_clip_coef` the factors they were scaled by, on the gradients' device.
     """
 
     def __init__(self, clip_norm: float, *, nonfinite: str = "propagate"):
@@ -244,6 +245,19 @@ class ClipGradByNorm(ClipGradBase):
         self.last_norms = norms
         self._record(norms)
 
+    @property
+    def last_clip_coef(self) -> Tensor | None:
+        """The last call's factor per gradient (float64): 1 where the norm is <= clip_norm (and for every
+        gradient of a call that "skip" left unchanged), else clip_norm / norm. Computed on first read
+        from last_norms, on their device: the clipping call itself pays nothing for it."""
+        norms = self.last_norms
+        if norms is None:
+            return None
+        unchanged = norms <= self.clip_norm
+        if self.nonfinite == "skip":
+            unchanged = unchanged | self.found_nonfinite.to(norms.device)
+        return torch.where(unchanged, torch.ones_like(norms), self.clip_norm / norms)
+
     def __repr__(self):
         return f"{type(self).__name__}(clip_norm={self.clip_norm})"
 
@@ -257,6 +271,11 @@ class ClipGradByGlobalNorm(ClipGradBase):
     On an optimizer, one clip object computes one global norm over every parameter it serves; clips
     given by set_gradient_clip that share a group_name compute one global norm together and must
     share clip_norm (Paddle's rule).
+
+    For logging without a host sync, on the gradients' device: `last_global_norm` (float32, float64
+    for float64 gradients), `last_norms` (each gradient's norm, float64; None for sharded gradients,
+    whose per-tensor norms would cost another collective) and `last_clip_coef` (the factor every
+    gradient was scaled by, 0-d float64: 1 when nothing was clipped).
     """
 
     def __init__(self, clip_norm: float, group_name: str = "default_group", auto_skip_clip: bool = False, *,
@@ -273,6 +292,11 @@ class ClipGradByGlobalNorm(ClipGradBase):
         self.group_name = group_name
         self.auto_skip_clip = auto_skip_clip
         self.last_global_norm: Tensor | None = None
+        self.last_norms: Tensor | None = None
+        self.last_clip_coef: Tensor | None = None
+
+    def _keep(self, global_norm: Tensor, norms: Tensor | None, coefficient: Tensor) -> None:
+        self.last_global_norm, self.last_norms, self.last_clip_coef = global_norm, norms, coefficient
 
     def _clip_pairs(self, pairs) -> None:
         grads = [g for _, g in pairs]
@@ -284,40 +308,42 @@ class ClipGradByGlobalNorm(ClipGradBase):
                 return super()._clip_pairs(pairs)
         global_norm = _shards.sharded_norm(shards, 2.0, self.nonfinite == "raise")
         self._record(global_norm)
-        self.last_global_norm = global_norm.to(torch.float32)
-        if self.nonfinite == "skip" and not torch.isfinite(global_norm):
-            return
-        _shards.scale_shards(shards, torch.clamp(self.clip_norm / global_norm, max=1.0))
+        skip = self.nonfinite == "skip" and not torch.isfinite(global_norm)
+        coefficient = torch.ones_like(global_norm) if skip else torch.clamp(self.clip_norm / global_norm, max=1.0)
+        self._keep(global_norm.to(torch.float32), None, coefficient.to(torch.float64))
+        if not skip:
+            _shards.scale_shards(shards, coefficient)
 
-    def _global_norm_of_parameters(self, params, nonfinite: str) -> Tensor | None:
-        """The global norm of the marked gradients of plain CPU or CUDA parameters, read by the C++ walk
-        and written nowhere (a fused optimizer step then applies the coefficient); None where the walk
-        declines. max_norm = inf makes every coefficient exactly 1, and the kernels skip a scale by 1;
-        nonfinite is "raise" or "skip" (a non-finite norm must not turn into a scale of NaN here)."""
+    def _global_norm_of_parameters(self, params, nonfinite: str) -> tuple[Tensor, Tensor] | None:
+        """(the global norm, each gradient's norm) of the marked gradients of plain CPU or CUDA parameters,
+        read by the C++ walk and written nowhere (a fused optimizer step then applies the coefficient);
+        None where the walk declines. max_norm = inf makes every coefficient exactly 1, and the kernels
+        skip a scale by 1; nonfinite is "raise" or "skip" (a non-finite norm must not turn into a scale
+        of NaN here)."""
         if self.process_group is not None:
             return None
-        return _ops.clip_grad_norm_of_plain(params, math.inf, 2.0, False, eps=0.0, norm_at_least_float32=True,
-                                            honor_need_clip=True, nonfinite=nonfinite)
+        found = _ops.clip_grad_norm_of_plain(params, math.inf, 2.0, False, eps=0.0, norm_at_least_float32=True,
+                                             honor_need_clip=True, nonfinite=nonfinite, keep_stats=True)
+        return None if found is None else found[:2]
 
     def _clip_parameters(self, params):
         if self.process_group is not None:
             return False  # sharded clipping needs the (param, grad) pairs: the Python walk
         # Paddle's formula is torch's with eps = 0: min(clip_norm / global_norm, 1).
-        norm = _ops.clip_grad_norm_of_plain(params, self.clip_norm, 2.0, False, eps=0.0,
-                                            norm_at_least_float32=True, honor_need_clip=True,
-                                            nonfinite=self.nonfinite)
-        if norm is not None:
-            self.last_global_norm = norm
-            self._record(norm)
-        return norm is not None
+        found = _ops.clip_grad_norm_of_plain(params, self.clip_norm, 2.0, False, eps=0.0,
+                                             norm_at_least_float32=True, honor_need_clip=True,
+                                             nonfinite=self.nonfinite, keep_stats=True)
+        if found is not None:
+            self._keep(*found)
+            self._record(found[0])
+        return found is not None
 
     def _clip(self, grads):
         if not grads:
             return
         if _ops.kernels_serve(grads):
-            self.last_global_norm = _ops.clip_grad_norm_tensors_(
-                grads, self.clip_norm, 2.0, False, eps=0.0, norm_at_least_float32=True, nonfinite=self.nonfinite
-            )
+            self._keep(*_ops.clip_grad_norm_tensors_(grads, self.clip_norm, 2.0, False, eps=0.0,
+                                                     norm_at_least_float32=True, nonfinite=self.nonfinite))
             self._record(self.last_global_norm)
             return
         wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
@@ -333,7 +359,7 @@ class ClipGradByGlobalNorm(ClipGradBase):
             scale = torch.where(finite, scale, torch.ones_like(scale))
         for g in grads:
             g.mul_(scale.to(g.device, g.dtype))
-        self.last_global_norm = global_norm
+        self._keep(global_norm, torch.stack(norms).to(torch.float64), scale.to(torch.float64))
         self._record(global_norm)
 
     def __repr__(self):

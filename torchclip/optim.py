@@ -184,11 +184,13 @@ def _fold_into_step(optimizer, clip: ClipGradByGlobalNorm, params) -> tuple[Tens
     scaler_scale = getattr(optimizer, "grad_scale", None)  # GradScaler's: the gradients are still scaled
     scaler_found = getattr(optimizer, "found_inf", None)
     raises_here = clip.nonfinite == "raise" and scaler_found is None
-    norm = clip._global_norm_of_parameters(params, "raise" if raises_here else "skip")
-    if norm is None:
+    found_norms = clip._global_norm_of_parameters(params, "raise" if raises_here else "skip")
+    if found_norms is None:
         return None
+    norm, norms = found_norms
     if scaler_scale is not None:
         norm = norm / scaler_scale.to(norm.device)
+        norms = norms / scaler_scale.to(norms.device)
     finite = torch.isfinite(norm)
     found = ~finite
     if scaler_found is not None:
@@ -197,7 +199,7 @@ def _fold_into_step(optimizer, clip: ClipGradByGlobalNorm, params) -> tuple[Tens
         raise RuntimeError("ClipGradByGlobalNorm: the global norm is non-finite (NaN or inf), so it cannot be "
                            "clipped; no gradient was changed")
     clip._record_found(found)
-    clip.last_global_norm = norm
+    clip.last_global_norm, clip.last_norms = norm, norms
     # 1 / Paddle's coefficient clip_norm / max(norm, clip_norm); inf or NaN for a non-finite norm, which
     # the kernel's division turns into what scaling by 0 or NaN gives (nonfinite="propagate").
     grad_scale = torch.clamp(norm / clip.clip_norm, min=1.0)
@@ -206,6 +208,7 @@ def _fold_into_step(optimizer, clip: ClipGradByGlobalNorm, params) -> tuple[Tens
         grad_scale = torch.where(finite, grad_scale, torch.ones_like(grad_scale))
         skip = found.to(torch.float32)
         found_inf = skip if scaler_found is None else torch.maximum(scaler_found, skip.to(scaler_found.device))
+    clip.last_clip_coef = (1.0 / grad_scale).to(torch.float64)
     if scaler_scale is not None:
         grad_scale = grad_scale * scaler_scale.to(grad_scale.device)
     return grad_scale.to(torch.float32), found_inf

@@ -153,7 +153,8 @@ void multi_tensor_clamp_split(at::TensorList tensors, const Split& split, double
 }
 
 at::Tensor clip_grad_norm_split(at::TensorList grads, const Split& split, double max_norm, double norm_type,
-    bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite) {
+    bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite,
+    NormClipStats* stats) {
   constexpr const char* op = "torchclip.clip_grad_norm_";
   const NonFinite policy = parse_nonfinite(nonfinite, op);
   check_writable(grads, split.aten_path, op);
@@ -165,6 +166,9 @@ at::Tensor clip_grad_norm_split(at::TensorList grads, const Split& split, double
   const bool skip = policy == NonFinite::Skip && !std::isfinite(total);
   const double coefficient = skip ? 1.0 : std::min(max_norm * (1.0 / (total + eps)), 1.0);
   apply_scales(grads, split, std::vector<double>(grads.size(), coefficient));
+  if (stats != nullptr) {
+    *stats = {float64_vector(norms), scalar_in_dtype(coefficient, at::kDouble)};
+  }
   at::ScalarType dtype = grads.empty() ? at::kFloat : total_norm_dtype(split.promoted);
   if (norm_at_least_float32) {
     dtype = c10::promoteTypes(dtype, at::kFloat);
@@ -235,10 +239,12 @@ void multi_tensor_clamp_cpu(at::TensorList tensors, double min, double max) {
   multi_tensor_clamp_split(tensors, split_tensors(tensors, "torchclip.multi_tensor_clamp_"), min, max);
 }
 
-at::Tensor clip_grad_norm_cpu(at::TensorList grads, double max_norm, double norm_type, bool error_if_nonfinite,
-    double eps, bool norm_at_least_float32, c10::string_view nonfinite) {
-  return clip_grad_norm_split(grads, split_tensors(grads, "torchclip.clip_grad_norm_"), max_norm, norm_type,
-      error_if_nonfinite, eps, norm_at_least_float32, nonfinite);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> clip_grad_norm_cpu(at::TensorList grads, double max_norm,
+    double norm_type, bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite) {
+  NormClipStats stats;
+  at::Tensor total = clip_grad_norm_split(grads, split_tensors(grads, "torchclip.clip_grad_norm_"), max_norm,
+      norm_type, error_if_nonfinite, eps, norm_at_least_float32, nonfinite, &stats);
+  return {std::move(total), std::move(stats.norms), std::move(stats.coefficient)};
 }
 
 at::Tensor clip_by_tensor_norm_cpu(at::TensorList tensors, double max_norm, c10::string_view nonfinite) {

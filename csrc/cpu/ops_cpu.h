@@ -58,6 +58,13 @@ struct Split {
   void add(const at::Tensor& t, int64_t index);
 };
 
+// What clipping by the total norm found, besides the total: each tensor's norm (float64, 1-d) and the
+// coefficient every tensor was scaled by (float64, 0-d), on the tensors' device.
+struct NormClipStats {
+  at::Tensor norms;
+  at::Tensor coefficient;
+};
+
 // Checks every tensor (defined, CPU, strided; errors name `op` and the index) and splits the list.
 Split split_tensors(at::TensorList tensors, const char* op);
 
@@ -67,8 +74,10 @@ at::Tensor total_norm_split(at::TensorList tensors, const Split& split, double o
 std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_split(at::TensorList tensors, const Split& split, double ord,
     bool error_if_nonfinite);
 void multi_tensor_clamp_split(at::TensorList tensors, const Split& split, double min, double max);
+// clip_grad_norm_split fills `stats` where one is given.
 at::Tensor clip_grad_norm_split(at::TensorList grads, const Split& split, double max_norm, double norm_type,
-    bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite);
+    bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite,
+    NormClipStats* stats = nullptr);
 at::Tensor clip_by_tensor_norm_split(at::TensorList tensors, const Split& split, double max_norm,
     c10::string_view nonfinite);
 

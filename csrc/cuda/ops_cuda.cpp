@@ -256,7 +256,7 @@ void multi_tensor_clamp_cuda(at::TensorList tensors, double min, double max) {
 constexpr const char* kClipGradNormOp = "torchclip.clip_grad_norm_";
 
 at::Tensor clip_grad_norm_on(at::TensorList grads, const DeviceSplit& split, double max_norm, double norm_type,
-    bool error_if_nonfinite, double eps, bool norm_at_least_float32, NonFinite policy) {
+    bool error_if_nonfinite, double eps, bool norm_at_least_float32, NonFinite policy, NormClipStats* stats) {
   constexpr const char* op = kClipGradNormOp;
   const c10::cuda::CUDAGuard guard(split.device);
   check_writable(grads, split.aten_path, op);
@@ -278,6 +278,9 @@ at::Tensor clip_grad_norm_on(at::TensorList grads, const DeviceSplit& split, dou
   for (int64_t i : split.aten_path) {
     aten_scale(grads[i], coefficient);
   }
+  if (stats != nullptr) {
+    *stats = {norms, coefficient};
+  }
   at::ScalarType dtype = grads.empty() ? at::kFloat : total_norm_dtype(split.promoted);
   if (norm_at_least_float32) {
     dtype = c10::promoteTypes(dtype, at::kFloat);
@@ -285,12 +288,14 @@ at::Tensor clip_grad_norm_on(at::TensorList grads, const DeviceSplit& split, dou
   return total.to(dtype);
 }
 
-at::Tensor clip_grad_norm_cuda(at::TensorList grads, double max_norm, double norm_type, bool error_if_nonfinite,
-    double eps, bool norm_at_least_float32, c10::string_view nonfinite) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> clip_grad_norm_cuda(at::TensorList grads, double max_norm,
+    double norm_type, bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite) {
   const NonFinite policy = parse_nonfinite(nonfinite, kClipGradNormOp);
   const c10::Device device = op_device(grads, nullptr);
-  return clip_grad_norm_on(grads, split_tensors(grads, kClipGradNormOp, device), max_norm, norm_type,
-      error_if_nonfinite, eps, norm_at_least_float32, policy);
+  NormClipStats stats;
+  at::Tensor total = clip_grad_norm_on(grads, split_tensors(grads, kClipGradNormOp, device), max_norm, norm_type,
+      error_if_nonfinite, eps, norm_at_least_float32, policy, &stats);
+  return {std::move(total), std::move(stats.norms), std::move(stats.coefficient)};
 }
 
 constexpr const char* kClipByTensorNormOp = "torchclip.clip_by_tensor_norm_";
@@ -331,10 +336,11 @@ at::Tensor total_norm_walked(at::TensorList tensors, const Split& walked, double
 }
 
 at::Tensor clip_grad_norm_walked(at::TensorList grads, const Split& walked, double max_norm, double norm_type,
-    bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite) {
+    bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite,
+    NormClipStats* stats) {
   const NonFinite policy = parse_nonfinite(nonfinite, kClipGradNormOp);
   return clip_grad_norm_on(grads, from_walk(grads, walked), max_norm, norm_type, error_if_nonfinite, eps,
-      norm_at_least_float32, policy);
+      norm_at_least_float32, policy, stats);
 }
 
 at::Tensor clip_by_tensor_norm_walked(at::TensorList tensors, const Split& walked, double max_norm,

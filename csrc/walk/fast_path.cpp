@@ -99,23 +99,28 @@ py::object total_norm_of_plain(py::handle tensors, py::handle norm_type_arg, py:
 
 py::object clip_grad_norm_of_plain(py::handle parameters, py::handle max_norm_arg, py::handle norm_type_arg,
     py::handle error_if_nonfinite, double eps, bool norm_at_least_float32, bool honor_need_clip,
-    const std::string& nonfinite) {
+    const std::string& nonfinite, bool keep_stats) {
   const std::optional<double> max_norm = plain_number(max_norm_arg), norm_type = plain_number(norm_type_arg);
   const bool nonfinite_raises = truth(error_if_nonfinite);
   GatheredTensors grads;
   if (!max_norm || !norm_type || !grads.gather(parameters.ptr(), true, honor_need_clip) || grads.empty()) {
     return py::none();
   }
+  NormClipStats stats;
+  NormClipStats* const kept = keep_stats ? &stats : nullptr;
   at::Tensor total = run(grads, "torchclip::clip_grad_norm_",
       [&](at::TensorList list, const Split& split) {
         return clip_grad_norm_split(list, split, *max_norm, *norm_type, nonfinite_raises, eps, norm_at_least_float32,
-            nonfinite);
+            nonfinite, kept);
       },
       [&](const CudaSplitOps& cuda, at::TensorList list, const Split& split) {
         return cuda.clip_grad_norm(list, split, *max_norm, *norm_type, nonfinite_raises, eps, norm_at_least_float32,
-            nonfinite);
+            nonfinite, kept);
       });
   grads.bump_versions();
+  if (keep_stats) {
+    return py::make_tuple(wrap(std::move(total)), wrap(std::move(stats.norms)), wrap(std::move(stats.coefficient)));
+  }
   return wrap(std::move(total));
 }
 

@@ -24,10 +24,11 @@ void use_cuda_split_ops(py::capsule ops);
 // get_total_norm: the total norm.
 py::object total_norm_of_plain(py::handle tensors, py::handle norm_type, py::handle error_if_nonfinite);
 
-// clip_grad_norm_ and ClipGradByGlobalNorm: the total norm (None also when there is no gradient).
+// clip_grad_norm_ and ClipGradByGlobalNorm: the total norm, or with keep_stats (total, per-tensor norms,
+// coefficient) as the op's schema returns them (None also when there is no gradient).
 py::object clip_grad_norm_of_plain(py::handle parameters, py::handle max_norm, py::handle norm_type,
     py::handle error_if_nonfinite, double eps, bool norm_at_least_float32, bool honor_need_clip,
-    const std::string& nonfinite);
+    const std::string& nonfinite, bool keep_stats);
 
 // ClipGradByNorm: the per-tensor norms (None also when there is no gradient).
 py::object clip_by_tensor_norm_of_plain(py::handle parameters, double max_norm, bool honor_need_clip,
