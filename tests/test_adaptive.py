@@ -138,6 +138,31 @@ def test_quantile_parameter_first_met_later_starts_unclipped():
                 torch.testing.assert_close(b.grad, a.grad, rtol=2e-6, atol=1e-9)
 
 
+def test_global_quantile_on_the_walk_agrees_with_the_pairs_form():
+    """CPU parameters take one C++ walk (the host window's quantile as clip_grad_norm_'s max_norm); Paddle's
+    pairs take the Python walk and the host rule. need_clip marks leave a parameter out of both."""
+    _, model = model_pair()
+    _, twin = model_pair()
+    torchclip.set_need_clip([next(model.parameters()), next(twin.parameters())], False)
+    walked, paired = ClipGradByQuantile(0.5, 4, True), ClipGradByQuantile(0.5, 4, True)
+    clipped_steps = 0
+    for step, grads in enumerate(gradient_run(model, 40)):
+        if step == 20:
+            grads[1][0] = math.inf  # an inf norm: recorded, and counted as non-finite
+        set_grads(model, grads)
+        set_grads(twin, grads)
+        walked(model.parameters())
+        paired([(p, p.grad) for p in twin.parameters()])
+        for a, b in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=2e-6, atol=1e-9, equal_nan=True)
+        assert torch.equal(next(model.parameters()).grad, grads[0])  # need_clip=False: never scaled
+        clipped_steps += not torch.equal(list(model.parameters())[1].grad, grads[1])
+        assert torch.equal(walked.last_norms, paired.last_norms)
+        assert torch.equal(walked.nonfinite_steps, paired.nonfinite_steps)
+    assert torch.equal(walked.history, paired.history) and walked.counts == paired.counts
+    assert clipped_steps > 0 and walked.nonfinite_steps.item() == 1
+
+
 @pytest.mark.parametrize("make_clip", [
     lambda: ClipGradByZScore(warmup_steps=4, skip_update_on_spike=True),
     lambda: ClipGradByQuantile(0.8, 5),

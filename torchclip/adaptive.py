@@ -368,6 +368,27 @@ class ClipGradByQuantile(_StatefulClip):
         self._forget_rows()
         self.last_norms: Tensor | None = None
 
+    def _clip_parameters(self, params) -> bool:
+        """The global rule on CPU gradients in one C++ walk: autoclip's step is clip_grad_norm_ with the
+        quantile as max_norm, and the quantile depends only on the norms before this call, so the host
+        window gives it first and the walk then norms and clips in one call."""
+        if not self.global_threshold or self.process_group is not None or self.history.device.type != "cpu":
+            return False
+        first = next((p.grad for p in params if isinstance(p, Tensor) and p.grad is not None), None)
+        if first is None or first.device.type != "cpu":
+            return False
+        count, window = self.counts[0], self._host_window()
+        # No history: nothing clipped, even for a NaN or inf norm ("skip" writes nothing then).
+        threshold = window.quantile(self.quantile) if count > 0 else math.inf
+        found = _ops.clip_grad_norm_of_plain(params, threshold, 2.0, False, eps=_COEFFICIENT_EPS,
+                                             honor_need_clip=True, nonfinite="propagate" if count > 0 else "skip",
+                                             keep_stats=True)
+        if found is None:
+            return False
+        norm = torch.linalg.vector_norm(found[1], 2.0)  # in float64, as _global_norm_of (the walk's is float32)
+        self._record_global_on_host(norm.item(), norm)
+        return True
+
     def _clip_pairs(self, pairs) -> None:
         if not pairs and self.process_group is None:
             return
@@ -403,14 +424,20 @@ class ClipGradByQuantile(_StatefulClip):
             threshold = window.quantile(self.quantile)
             coefficient = _divide(threshold, value + _COEFFICIENT_EPS)
             coefficient = coefficient if not coefficient > 1.0 else 1.0  # torch.clamp's: NaN stays NaN
+        self._record_global_on_host(value, norm)
+        if coefficient != 1.0:
+            _scale(grads, torch.tensor(coefficient, dtype=torch.float64))
+
+    def _record_global_on_host(self, value: float, norm: Tensor) -> None:
+        """Adds the global norm (`value`, and as the 0-d `norm`) to the history, the sorted window and the
+        nonfinite counts."""
+        count = self.counts[0]
         slot = count % self.history_length
-        window.replace(self.history[0, slot].item() if count >= self.history_length else None, value)
+        self._host_window().replace(self.history[0, slot].item() if count >= self.history_length else None, value)
         self.history[0, slot] = value
         self.counts[0] += 1
         self.last_norms = norm
-        self._record(norm)
-        if coefficient != 1.0:
-            _scale(grads, torch.tensor(coefficient, dtype=torch.float64))
+        self._record_found_on_host(not math.isfinite(value))
 
     def _host_window(self) -> _SortedWindow:
         if self._window is None:

@@ -122,6 +122,15 @@ class ClipGradBase:
         steps = self.nonfinite_steps
         self.nonfinite_steps = found.to(torch.int64) + (0 if steps is None else steps.to(found.device))
 
+    def _record_found_on_host(self, found: bool) -> None:
+        """_record_found for a flag the host already has (a CPU clip): two new CPU tensors, no ops,
+        which after a step's memory pass run with their code out of cache."""
+        steps = self.nonfinite_steps
+        if steps is not None and steps.device.type != "cpu":
+            return self._record_found(torch.tensor(found, device=steps.device))
+        self.found_nonfinite = torch.tensor(found)
+        self.nonfinite_steps = torch.tensor((0 if steps is None else int(steps)) + found)
+
     def _step_refused(self) -> Tensor | None:
         """Whether the last call asks an optimizer hook to skip the step (a 0-d bool tensor), or None:
         a NaN/inf norm under nonfinite="skip"."""
