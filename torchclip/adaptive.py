@@ -220,10 +220,33 @@ class ClipGradByZScore(_StatefulClip):
         self.last_norms: Tensor | None = None
         self.last_clip_coef: Tensor | None = None
 
+    def _clip_parameters(self, params) -> bool:
+        """CPU parameters: their norms from one C++ walk that writes nothing (max_norm = inf, and "skip"
+        for a NaN or inf norm); the rule on the host; the gradients scaled only where it clips."""
+        if self.process_group is not None or self.mean.device.type != "cpu":
+            return False
+        first = next((p.grad for p in params if isinstance(p, Tensor) and p.grad is not None), None)
+        if first is None or first.device.type != "cpu":
+            return False
+        found = _ops.clip_grad_norm_of_plain(params, math.inf, 2.0, False, eps=0.0, honor_need_clip=True,
+                                             nonfinite="skip", keep_stats=True)
+        if found is None:
+            return False
+        norms = found[1]
+        coefficient = self._observe(norms, torch.linalg.vector_norm(norms, 2.0))
+        if coefficient.item() != 1.0:  # (in host memory: the read waits for nothing)
+            _scale([p.grad for p in params if p.grad is not None and self._wants(p)], coefficient)
+        return True
+
     def _clip_pairs(self, pairs) -> None:
         if not pairs and self.process_group is None:
             return
         grads, norms, norm = self._global_norm_of(pairs)
+        _scale(grads, self._observe(norms, norm))
+
+    def _observe(self, norms: Tensor | None, norm: Tensor) -> Tensor:
+        """One call's rule on its norms (per tensor, or None for hand shards, and global): records them,
+        moves the statistics on, and returns the clip coefficient."""
         device = norm.device
         self.warmup_norms = self._on(self.warmup_norms, device)
         self.mean, self.var = self._on(self.mean, device), self._on(self.var, device)
@@ -241,7 +264,7 @@ class ClipGradByZScore(_StatefulClip):
         self.steps += 1
         self.last_norms, self.last_global_norm, self.last_clip_coef = norms, norm, coefficient
         self._record(norm)
-        _scale(grads, coefficient)
+        return coefficient
 
     def _clip(self, grads):  # ClipGradBase's route always comes through _clip_pairs
         raise AssertionError("ClipGradByZScore clips through _clip_pairs")

@@ -115,6 +115,8 @@ class ClipGradBase:
 
     def _record(self, norms: Tensor) -> None:
         """Update found_nonfinite / nonfinite_steps from the last call's norm(s)."""
+        if norms.dim() == 0 and norms.device.type == "cpu":
+            return self._record_found_on_host(not math.isfinite(norms.item()))
         self._record_found(~torch.isfinite(norms).all())
 
     def _record_found(self, found: Tensor) -> None:

@@ -14,6 +14,20 @@
 namespace torchclip::cpu {
 namespace {
 
+// A row is short (ResNet-50's: 64 to 4,608 elements) and the next unit's row follows it in memory, so
+// the 2-norm of 16/32-bit data reads it as one stream in order, with float64 sums: sum_squares_blocked's
+// four quarters suit long spans only. unitwise_clip on 2 cores: ResNet-50 shapes 6.6-7.1 -> 5.5-5.9 ms,
+// GPT-2's 28.5 -> 24-26 ms.
+template <typename T>
+Partial reduce_row(const T* x, int64_t n, NormOrder order) {
+  if constexpr (!std::is_same_v<T, double>) {
+    if (order.kind == NormKind::Two) {
+      return reduce_narrow<NormKind::Two>(x, n);
+    }
+  }
+  return reduce_span(x, n, order);
+}
+
 template <typename T>
 double row_norm(const TensorSpan& row, NormOrder order) {
   Partial whole;
@@ -21,7 +35,7 @@ double row_norm(const TensorSpan& row, NormOrder order) {
     whole.extreme = std::numeric_limits<double>::infinity();
   }
   if (row.numel > 0) {
-    combine(whole, reduce_span(static_cast<const T*>(row.data), row.numel, order), order);
+    combine(whole, reduce_row(static_cast<const T*>(row.data), row.numel, order), order);
   }
   return finish(whole, row, order);
 }

@@ -7,6 +7,14 @@ the memory bound: one read of the gradients (torch's sum over one buffer), or fo
 one read of the weights and of the gradients, which AGC must read. A reference that is not installed
 is left out (its column is empty). The parameters are views of one weight buffer (random, so that AGC
 clips some units), the gradients views of another.
+
+Every call gets a new step's gradients, untimed: the first ones times a factor drawn around 1 (standard
+deviation 5%), so that the norm moves from call to call as in training and each clip makes its own
+decisions. Without that, the candidates shared one set of gradients that every clip shrank in turn, and
+the global Quantile, whose threshold is a quantile of norms that only ever fell, wrote on five calls in
+twenty-four where ClipGradByGlobalNorm wrote on one. ClipGradByGlobalNorm's clip_norm, 1.1, is about the
+98th percentile of those norms: a fixed threshold that, like the adaptive ones, clips a few calls; ZClip
+takes it as its max_grad_norm (its default, 1.0, would cap half the calls).
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from torchclip.bench.timing import each_job, format_columns, interleave, no_sync
 
 CLIPS = ["ClipGradByZScore", "ClipGradByQuantile (global)", "ClipGradByUnitwiseNorm"]
 DEFAULT_WORKLOADS = ["gpt2_124m", "resnet50"]
+NORM_SPREAD = 0.05  # the relative standard deviation of the gradients' norm from call to call
+FIXED_CLIP_NORM = 1.1  # ClipGradByGlobalNorm's and ZClip's cap: about the 98th percentile of those norms
 
 
 @dataclass
@@ -75,7 +85,7 @@ def reference_for(clip_name, params):
 
         holder = torch.nn.Module()
         holder.params = torch.nn.ParameterList(params)
-        reference = zclip.ZClip(warmup_steps=2)
+        reference = zclip.ZClip(warmup_steps=2, max_grad_norm=FIXED_CLIP_NORM)
         return lambda: reference.step(holder)
     if clip_name == "ClipGradByQuantile (global)":
         if importlib.util.find_spec("autoclip") is None:
@@ -89,7 +99,7 @@ def reference_for(clip_name, params):
 
 def torchclip_clip(clip_name):
     if clip_name == "ClipGradByZScore":
-        return torchclip.ClipGradByZScore(warmup_steps=2)
+        return torchclip.ClipGradByZScore(warmup_steps=2, max_grad_norm=FIXED_CLIP_NORM)
     if clip_name == "ClipGradByQuantile (global)":
         return torchclip.ClipGradByQuantile(global_threshold=True)
     return torchclip.ClipGradByUnitwiseNorm(0.01, 1e-3)
@@ -98,7 +108,7 @@ def torchclip_clip(clip_name):
 def candidates(clip_name, grads, weights):
     """torchclip's clip, ClipGradByGlobalNorm, the bound, and the reference (None if not installed)."""
     params = grads.params
-    clip, global_norm = torchclip_clip(clip_name), torchclip.ClipGradByGlobalNorm(1.0)
+    clip, global_norm = torchclip_clip(clip_name), torchclip.ClipGradByGlobalNorm(FIXED_CLIP_NORM)
 
     def bound():
         if clip_name == "ClipGradByUnitwiseNorm":
@@ -106,6 +116,18 @@ def candidates(clip_name, grads, weights):
         grads.flat.sum()
 
     return [lambda: clip(params), lambda: global_norm(params), bound], reference_for(clip_name, params)
+
+
+def new_steps(grads):
+    """A function that gives grads a new step's gradients: the present ones times 1 + NORM_SPREAD * N(0, 1)."""
+    first_gradients = grads.flat.clone()
+    generator = torch.Generator().manual_seed(2)
+
+    def new_step():
+        factor = 1.0 + NORM_SPREAD * torch.randn((), generator=generator).item()
+        torch.mul(first_gradients, factor, out=grads.flat)
+
+    return new_step
 
 
 def run(clip_names, workload_names, dtypes, thread_counts, rounds, warmup, progress, device="cpu"):
@@ -118,7 +140,8 @@ def run(clip_names, workload_names, dtypes, thread_counts, rounds, warmup, progr
         for p, w in zip(grads.params, torch.split(weights, [p.numel() for p in grads.params])):
             p.data = w.view(p.shape)
         fns, reference = candidates(clip_name, grads, weights)
-        timings = interleave(fns if reference is None else [*fns, reference], rounds, warmup, None, sync)
+        timings = interleave(fns if reference is None else [*fns, reference], rounds, warmup, new_steps(grads),
+                             sync)
         (t_ours, _), (t_global, _), (t_bound, _) = timings[:3]
         t_reference = timings[3][0] if reference is not None else math.nan
         rows.append(AdaptiveRow(clip_name, label, dtype_name, threads, len(grads.params), grads.flat.numel(),
