@@ -127,11 +127,22 @@ def _check_state(name: str, state: dict, expected: dict[str, tuple]) -> None:
 
 
 class _StatefulClip(ClipGradBase):
-    """What the adaptive clips share: the Python walk (their rules need the gradient list), and state
-    tensors that follow the gradients to their device."""
+    """What the adaptive clips share: the Python walk (their rules need the gradient list; ZScore and the
+    global Quantile take the C++ walk on CPU parameters), and state tensors that follow the gradients to
+    their device."""
 
     def _clip_parameters(self, params) -> bool:
         return False  # the Python walk: ClipGradBase.__call__ then calls _clip_pairs
+
+    @staticmethod
+    def _walk_cpu(params, max_norm: float, eps: float, nonfinite: str) -> tuple[Tensor, Tensor, Tensor] | None:
+        """clip_grad_norm_'s C++ walk over CPU parameters, need_clip marks honoured: (the total norm, each
+        gradient's norm, the coefficient), or None where the gradients are elsewhere or the walk declines."""
+        first = next((p.grad for p in params if isinstance(p, Tensor) and p.grad is not None), None)
+        if first is None or first.device.type != "cpu":
+            return None
+        return _ops.clip_grad_norm_of_plain(params, max_norm, 2.0, False, eps=eps, honor_need_clip=True,
+                                            nonfinite=nonfinite, keep_stats=True)
 
     @staticmethod
     def _on(tensor: Tensor, device: torch.device) -> Tensor:
@@ -225,11 +236,7 @@ class ClipGradByZScore(_StatefulClip):
         for a NaN or inf norm); the rule on the host; the gradients scaled only where it clips."""
         if self.process_group is not None or self.mean.device.type != "cpu":
             return False
-        first = next((p.grad for p in params if isinstance(p, Tensor) and p.grad is not None), None)
-        if first is None or first.device.type != "cpu":
-            return False
-        found = _ops.clip_grad_norm_of_plain(params, math.inf, 2.0, False, eps=0.0, honor_need_clip=True,
-                                             nonfinite="skip", keep_stats=True)
+        found = self._walk_cpu(params, math.inf, 0.0, "skip")
         if found is None:
             return False
         norms = found[1]
@@ -397,15 +404,10 @@ class ClipGradByQuantile(_StatefulClip):
         window gives it first and the walk then norms and clips in one call."""
         if not self.global_threshold or self.process_group is not None or self.history.device.type != "cpu":
             return False
-        first = next((p.grad for p in params if isinstance(p, Tensor) and p.grad is not None), None)
-        if first is None or first.device.type != "cpu":
-            return False
-        count, window = self.counts[0], self._host_window()
+        count = self.counts[0]
         # No history: nothing clipped, even for a NaN or inf norm ("skip" writes nothing then).
-        threshold = window.quantile(self.quantile) if count > 0 else math.inf
-        found = _ops.clip_grad_norm_of_plain(params, threshold, 2.0, False, eps=_COEFFICIENT_EPS,
-                                             honor_need_clip=True, nonfinite="propagate" if count > 0 else "skip",
-                                             keep_stats=True)
+        threshold = self._host_window().quantile(self.quantile) if count > 0 else math.inf
+        found = self._walk_cpu(params, threshold, _COEFFICIENT_EPS, "propagate" if count > 0 else "skip")
         if found is None:
             return False
         norm = torch.linalg.vector_norm(found[1], 2.0)  # in float64, as _global_norm_of (the walk's is float32)
