@@ -135,14 +135,16 @@ class _StatefulClip(ClipGradBase):
         return False  # the Python walk: ClipGradBase.__call__ then calls _clip_pairs
 
     @staticmethod
-    def _walk_cpu(params, max_norm: float, eps: float, nonfinite: str) -> tuple[Tensor, Tensor, Tensor] | None:
-        """clip_grad_norm_'s C++ walk over CPU parameters, need_clip marks honoured: (the total norm, each
-        gradient's norm, the coefficient), or None where the gradients are elsewhere or the walk declines."""
+    def _walk_cpu(params, max_norm: float, eps: float, nonfinite: str) -> tuple[Tensor, Tensor] | None:
+        """clip_grad_norm_'s C++ walk over CPU parameters, need_clip marks honoured: (each gradient's norm,
+        the global norm in float64, as _global_norm_of computes it: the walk's total is in the gradients'
+        dtype), or None where the gradients are elsewhere or the walk declines."""
         first = next((p.grad for p in params if isinstance(p, Tensor) and p.grad is not None), None)
         if first is None or first.device.type != "cpu":
             return None
-        return _ops.clip_grad_norm_of_plain(params, max_norm, 2.0, False, eps=eps, honor_need_clip=True,
-                                            nonfinite=nonfinite, keep_stats=True)
+        found = _ops.clip_grad_norm_of_plain(params, max_norm, 2.0, False, eps=eps, honor_need_clip=True,
+                                             nonfinite=nonfinite, keep_stats=True)
+        return None if found is None else (found[1], torch.linalg.vector_norm(found[1], 2.0))
 
     @staticmethod
     def _on(tensor: Tensor, device: torch.device) -> Tensor:
@@ -239,8 +241,7 @@ class ClipGradByZScore(_StatefulClip):
         found = self._walk_cpu(params, math.inf, 0.0, "skip")
         if found is None:
             return False
-        norms = found[1]
-        coefficient = self._observe(norms, torch.linalg.vector_norm(norms, 2.0))
+        coefficient = self._observe(*found)
         if coefficient.item() != 1.0:  # (in host memory: the read waits for nothing)
             _scale([p.grad for p in params if p.grad is not None and self._wants(p)], coefficient)
         return True
@@ -404,13 +405,13 @@ class ClipGradByQuantile(_StatefulClip):
         window gives it first and the walk then norms and clips in one call."""
         if not self.global_threshold or self.process_group is not None or self.history.device.type != "cpu":
             return False
-        count = self.counts[0]
-        # No history: nothing clipped, even for a NaN or inf norm ("skip" writes nothing then).
-        threshold = self._host_window().quantile(self.quantile) if count > 0 else math.inf
-        found = self._walk_cpu(params, threshold, _COEFFICIENT_EPS, "propagate" if count > 0 else "skip")
+        threshold = self._host_threshold()
+        # No threshold: nothing clipped, even for a NaN or inf norm ("skip" writes nothing then).
+        found = self._walk_cpu(params, math.inf if threshold is None else threshold, _COEFFICIENT_EPS,
+                               "skip" if threshold is None else "propagate")
         if found is None:
             return False
-        norm = torch.linalg.vector_norm(found[1], 2.0)  # in float64, as _global_norm_of (the walk's is float32)
+        norm = found[1]
         self._record_global_on_host(norm.item(), norm)
         return True
 
@@ -443,10 +444,9 @@ class ClipGradByQuantile(_StatefulClip):
         and the 0-d ops around it ran with their code out of cache: ~0.25 ms a call, 12% of a ResNet-50
         norm pass on 2 cores. The arithmetic is the tensor rule's, in float64."""
         self.history = self._on(self.history, norm.device)
-        value, count, window = norm.item(), self.counts[0], self._host_window()
+        value, threshold = norm.item(), self._host_threshold()
         coefficient = 1.0
-        if count > 0:
-            threshold = window.quantile(self.quantile)
+        if threshold is not None:
             coefficient = _divide(threshold, value + _COEFFICIENT_EPS)
             coefficient = coefficient if not coefficient > 1.0 else 1.0  # torch.clamp's: NaN stays NaN
         self._record_global_on_host(value, norm)
@@ -463,6 +463,11 @@ class ClipGradByQuantile(_StatefulClip):
         self.counts[0] += 1
         self.last_norms = norm
         self._record_found_on_host(not math.isfinite(value))
+
+    def _host_threshold(self) -> float | None:
+        """The global rule's max_norm from the host window; None before any norm was recorded (the first
+        call clips nothing)."""
+        return self._host_window().quantile(self.quantile) if self.counts[0] > 0 else None
 
     def _host_window(self) -> _SortedWindow:
         if self._window is None:

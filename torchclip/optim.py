@@ -199,7 +199,6 @@ def _fold_into_step(optimizer, clip: ClipGradByGlobalNorm, params) -> tuple[Tens
         raise RuntimeError("ClipGradByGlobalNorm: the global norm is non-finite (NaN or inf), so it cannot be "
                            "clipped; no gradient was changed")
     clip._record_found(found)
-    clip.last_global_norm, clip.last_norms = norm, norms
     # 1 / Paddle's coefficient clip_norm / max(norm, clip_norm); inf or NaN for a non-finite norm, which
     # the kernel's division turns into what scaling by 0 or NaN gives (nonfinite="propagate").
     grad_scale = torch.clamp(norm / clip.clip_norm, min=1.0)
@@ -208,7 +207,7 @@ def _fold_into_step(optimizer, clip: ClipGradByGlobalNorm, params) -> tuple[Tens
         grad_scale = torch.where(finite, grad_scale, torch.ones_like(grad_scale))
         skip = found.to(torch.float32)
         found_inf = skip if scaler_found is None else torch.maximum(scaler_found, skip.to(scaler_found.device))
-    clip.last_clip_coef = (1.0 / grad_scale).to(torch.float64)
+    clip._keep(norm, norms, (1.0 / grad_scale).to(torch.float64))
     if scaler_scale is not None:
         grad_scale = grad_scale * scaler_scale.to(grad_scale.device)
     return grad_scale.to(torch.float32), found_inf
