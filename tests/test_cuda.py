@@ -559,6 +559,71 @@ def test_drop_in_clip_grad_norm_does_not_sync_and_captures():
     assert abs(total.item() - 10.0) < 1e-3  # the replayed norm of the rescaled (norm 1) gradients
 
 
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+@pytest.mark.parametrize("nonfinite", ["propagate", "skip"])
+def test_clip_folded_into_a_fused_step_captures_and_replays(name, nonfinite):
+    # The clip's norm, its coefficient as the fused kernel's grad_scale and "skip" as its found_inf, and
+    # the step, all in one captured graph; each replay gets its step's gradients copied into the captured
+    # ones. Oracle: Paddle's clip in float64, in place, then torch's own fused step, eagerly.
+    options = {"lr": 1e-2, "fused": True, "capturable": True, **({"weight_decay": 0.1} if name == "AdamW" else {})}
+    ours = cuda_params(torch.float32, seed=71, scale=3.0)
+    theirs = clone_params(ours)
+    clip = torchclip.ClipGradByGlobalNorm(1.0, nonfinite=nonfinite)
+    optimizer = getattr(torchclip.optim, name)(ours, grad_clip=clip, **options)
+    reference = getattr(torch.optim, name)(theirs, **options)
+    generator = torch.Generator(device=CUDA).manual_seed(73)
+    steps = [[torch.randn(p.shape, device=CUDA, generator=generator) * 3.0 for p in ours] for _ in range(7)]
+    nonfinite_steps = {4, 6} if nonfinite == "skip" else set()  # ("propagate" would make every parameter NaN)
+    for index in nonfinite_steps:
+        steps[index][1][0] = math.nan
+
+    def load(params, grads):
+        for p, g in zip(params, grads):
+            p.grad.copy_(g)
+
+    def reference_step(grads):
+        for q, g in zip(theirs, grads):
+            q.grad = g.clone()
+        norm = reference_norm(grads, 2.0)
+        if math.isfinite(norm):
+            coefficient = 1.0 / max(norm / 1.0, 1.0)  # as the fold divides by clamp(norm / clip_norm, min=1)
+            for q in theirs:
+                q.grad.copy_((q.grad.double() * coefficient).to(q.grad.dtype))
+            reference.step()
+        return norm
+
+    warm_up = 3  # eager steps off the capture, as torch's graph docs ask; they must not sync either
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(side):
+            for grads in steps[:warm_up]:
+                load(ours, grads)
+                optimizer.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.current_stream().wait_stream(side)
+    for grads in steps[:warm_up]:
+        reference_step(grads)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        optimizer.step()
+    for index, grads in enumerate(steps[warm_up:], warm_up):
+        load(ours, grads)
+        graph.replay()
+        norm = reference_step(grads)
+        torch.cuda.synchronize()
+        if math.isfinite(norm):  # the clip's statistics are the graph's outputs: each replay refreshes them
+            assert_close_rel(clip.last_global_norm.item(), norm, 1e-6)
+        for p, q in zip(ours, theirs):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"step {index}")
+    # counters accumulate across replays (in place: a captured new tensor would hold one replay's count)
+    assert int(clip.nonfinite_steps) == len(nonfinite_steps)
+    assert optimizer.grad_clip_attachment.skipped_steps == len(nonfinite_steps)
+
+
 def test_eager_walk_serves_cuda_parameters():
     # The C++ walk (csrc/walk) gathers CUDA gradients, splits them and calls the CUDA implementations
     # directly (cuda_split_ops.h); it bumps each version once, as the ops' Autograd kernels do.

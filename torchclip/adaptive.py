@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torchclip import _ops, _shards
-from torchclip.clip import ClipGradBase, _tensor_norms
+from torchclip.clip import ClipGradBase, _tensor_norms, add_to_count
 
 __all__ = ["ClipGradByNormEMA", "ClipGradByQuantile", "ClipGradByUnitwiseNorm", "ClipGradByZScore", "SkipStepOnSpike"]
 
@@ -661,7 +661,7 @@ class SkipStepOnSpike(_StatefulClip):
         self.history[self.count % self.window] = norm
         self.count += 1
         self.skip, self.last_global_norm = skip, norm
-        self.skips = skip.to(torch.int64) + (0 if self.skips is None else self.skips)
+        self.skips = add_to_count(self.skips, skip)
         self._record(norm)
         if self.clip is not None:
             self.clip._clip_pairs([(p, g) for p, g in pairs if self.clip._wants(p)])

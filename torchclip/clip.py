@@ -98,6 +98,17 @@ def _policy(nonfinite) -> str:
     return nonfinite
 
 
+def add_to_count(count: Tensor | None, found: Tensor) -> Tensor:
+    """count + found, as a 0-d int64 tensor on found's device. While a CUDA graph is being captured the
+    sum goes into `count` in place: a new tensor would be rewritten by every replay with the captured
+    call's sum, so replays would not count. Elsewhere a new tensor, so a count read earlier stays as read."""
+    if count is None:
+        return found.to(torch.int64)
+    if found.is_cuda and count.device == found.device and torch.cuda.is_current_stream_capturing():
+        return count.add_(found)
+    return found.to(torch.int64) + count.to(found.device)
+
+
 class ClipGradBase:
     """What every clip shares: choosing the gradients to clip and the two call forms.
 
@@ -121,8 +132,7 @@ class ClipGradBase:
 
     def _record_found(self, found: Tensor) -> None:
         self.found_nonfinite = found
-        steps = self.nonfinite_steps
-        self.nonfinite_steps = found.to(torch.int64) + (0 if steps is None else steps.to(found.device))
+        self.nonfinite_steps = add_to_count(self.nonfinite_steps, found)
 
     def _record_found_on_host(self, found: bool) -> None:
         """_record_found for a flag the host already has (a CPU clip): two new CPU tensors, no ops,

@@ -49,6 +49,7 @@ from torchclip.clip import (
     ClipGradByNorm,
     ClipGradByValue,
     GradientClipByGlobalNorm,
+    add_to_count,
     gradient_clip_of,
 )
 
@@ -322,9 +323,7 @@ class _Attachment:
         return step()
 
     def _count_skips_on_device(self, found: Tensor) -> None:
-        found = found.to(torch.int64)
-        self._skipped_on_device = found if self._skipped_on_device is None else (
-            self._skipped_on_device + found.to(self._skipped_on_device.device))
+        self._skipped_on_device = add_to_count(self._skipped_on_device, found)
 
     def remove(self):
         self.enabled = False
