@@ -5,6 +5,7 @@ step; with GradScaler, the scaled gradients unscaled as GradScaler.unscale_ does
 
 import pytest
 import torch
+from testing import clip_by_hand
 
 import torchclip
 import torchclip.clip as clip_module
@@ -44,15 +45,6 @@ def gradient_steps(params, steps, seed=1, spread=10.0):
     """Fixed gradients for `steps` steps, large enough that clipping to 1 scales every step."""
     generator = torch.Generator().manual_seed(seed)
     return [[(torch.randn(p.shape, generator=generator) * spread).to(p.dtype) for p in params] for _ in range(steps)]
-
-
-def clip_by_hand(grads, clip_norm):
-    """Paddle's ClipGradByGlobalNorm in float64, applied in place; returns the global norm."""
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads]))
-    coefficient = clip_norm / max(norm.item(), clip_norm)
-    for g in grads:
-        g.copy_((g.double() * coefficient).to(g.dtype))
-    return norm
 
 
 class NoInPlaceClip(Exception):

@@ -84,6 +84,15 @@ def reference_norm(tensors, norm_type) -> float:
     return torch.linalg.vector_norm(torch.stack(norms), norm_type).item()
 
 
+def clip_by_hand(grads, clip_norm):
+    """Paddle's ClipGradByGlobalNorm in float64, applied in place; returns the global norm (0-d float64)."""
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads]))
+    coefficient = clip_norm / max(norm.item(), clip_norm)
+    for g in grads:
+        g.copy_((g.double() * coefficient).to(g.dtype))
+    return norm
+
+
 def assert_close_rel(actual: float, expected: float, rtol: float, what: str = ""):
     if math.isnan(expected):
         assert math.isnan(actual), f"{what}: expected nan, got {actual}"
