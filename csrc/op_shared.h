@@ -7,6 +7,8 @@
 
 #include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/linalg_vector_norm.h>
+#include <ATen/ops/ones.h>
 #include <c10/util/Exception.h>
 #include <c10/util/string_view.h>
 
@@ -109,6 +111,21 @@ inline void check_clampable(at::TensorList tensors, const std::vector<int64_t>& 
   }
 }
 
+// torch 2.15's vector_norm refuses an integer or bool tensor with NotImplementedError, earlier releases with
+// RuntimeError: ask the installed torch (once, and only on that error path) so the drop-ins raise as it does.
+inline bool torch_norm_of_integers_is_not_implemented() {
+  static const bool not_implemented = [] {
+    try {
+      at::linalg_vector_norm(at::ones({1}, at::kLong));
+    } catch (const c10::NotImplementedError&) {
+      return true;
+    } catch (const c10::Error&) {
+    }
+    return false;
+  }();
+  return not_implemented;
+}
+
 // What a norm of order `ord` needs of its inputs, as torch's vector_norm: orders without an identity
 // (inf, -inf, negative) refuse empty tensors, and ATen's path a dtype that is not floating or complex.
 inline void check_norm_inputs(at::TensorList tensors, const std::vector<int64_t>& aten_path, double ord,
@@ -120,8 +137,13 @@ inline void check_norm_inputs(at::TensorList tensors, const std::vector<int64_t>
     }
   }
   for (int64_t i : aten_path) {
-    TORCH_CHECK(tensors[i].is_floating_point() || tensors[i].is_complex(), op, ": tensors[", i, "] has dtype ",
-        tensors[i].scalar_type(), "; a norm needs a floating point or complex dtype");
+    if (tensors[i].is_floating_point() || tensors[i].is_complex()) {
+      continue;
+    }
+    const std::string message = c10::str(op, ": tensors[", i, "] has dtype ", tensors[i].scalar_type(),
+        "; a norm needs a floating point or complex dtype");
+    TORCH_CHECK_NOT_IMPLEMENTED(!torch_norm_of_integers_is_not_implemented(), message);
+    TORCH_CHECK(false, message);
   }
 }
 

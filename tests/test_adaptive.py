@@ -411,7 +411,9 @@ def test_unitwise_norm_op_errors_name_the_argument():
                          "defaults")
 def test_zscore_rule_on_tensors_equals_the_rule_on_floats(settings):
     """The device path (0-d tensors, torch.where) and the host path (Python floats) of the same rule give
-    the same numbers, spikes, NaN and infinities included."""
+    the same numbers, spikes, NaN and infinities included: equal up to float64 rounding, as torch's kernels
+    and Python's libm each round an operation within an ulp, not always to the same bits (`** 0.5`, FMA), and
+    the variance's subtraction can cancel (an absolute term at the inputs' scale, ~30)."""
     clip = ClipGradByZScore(**settings)
     generator = torch.Generator().manual_seed(0)
     cases = [(float(n), float(m), float(v)) for n, m, v in torch.rand(40, 3, generator=generator, dtype=torch.float64)
@@ -422,7 +424,9 @@ def test_zscore_rule_on_tensors_equals_the_rule_on_floats(settings):
         as_tensors = [torch.tensor(x, dtype=torch.float64) for x in (norm, mean, var)]
         on_tensors = clip._zclip_rule(*as_tensors, torch.where)
         for f, t in zip(on_floats, on_tensors):
-            assert (math.isnan(f) and math.isnan(t.item())) or f == t.item(), (norm, mean, var, on_floats, on_tensors)
+            t = t.item()
+            assert (math.isnan(f) and math.isnan(t)) or f == t or math.isclose(f, t, rel_tol=1e-13, abs_tol=3e-14), (
+                norm, mean, var, on_floats, on_tensors)
 
 
 # ---- ClipGradByNormEMA (AdaGC): no package ships it; the paper's algorithm, in float64 ---------------------

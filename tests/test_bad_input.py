@@ -118,6 +118,49 @@ def test_bad_input_row(row):
     assert_unchanged(tensors, before)
 
 
+def _int_grads(params, dtype):
+    params[2].grad.data = torch.ones(7, dtype=dtype)
+    return params
+
+
+# Bad input that torch.nn.utils refuses too: (description, setup(params) -> params, call(clip_grad, params)), where
+# clip_grad is torch.nn.utils or torchclip. Which class torch raises depends on its release (2.15 made an integer
+# or bool norm a NotImplementedError), so the oracle is the torch installed beside the suite.
+REFUSED_BY_TORCH_TOO = [
+    ("an integer gradient, norm", lambda ps: _int_grads(ps, torch.int64), lambda m, ps: m.clip_grad_norm_(ps, 1.0)),
+    ("a bool gradient, norm", lambda ps: _int_grads(ps, torch.bool), lambda m, ps: m.clip_grad_norm_(ps, 1.0)),
+    ("an integer tensor, get_total_norm", lambda ps: _int_grads(ps, torch.int32),
+     lambda m, ps: m.get_total_norm([p.grad for p in ps])),
+    ("an integer gradient, inf norm", lambda ps: _int_grads(ps, torch.int64),
+     lambda m, ps: m.clip_grad_norm_(ps, 1.0, norm_type=math.inf)),
+    ("a complex gradient, value clip", lambda ps: [*ps[:2], _complex_param()], lambda m, ps: m.clip_grad_value_(ps, 1.0)),
+    ("non-finite norm with error_if_nonfinite", _with_nan,
+     lambda m, ps: m.clip_grad_norm_(ps, 0.1, error_if_nonfinite=True)),
+    ("an empty gradient, inf norm", lambda ps: [*ps, _empty_param()],
+     lambda m, ps: m.clip_grad_norm_(ps, 1.0, norm_type=math.inf)),
+    ("an item that is not a tensor", lambda ps: [*ps, 3], lambda m, ps: m.clip_grad_norm_(ps, 1.0)),
+]
+
+
+def _empty_param():
+    p = torch.nn.Parameter(torch.zeros(0))
+    p.grad = torch.zeros(0)
+    return p
+
+
+@pytest.mark.parametrize("row", REFUSED_BY_TORCH_TOO, ids=[r[0] for r in REFUSED_BY_TORCH_TOO])
+def test_drop_ins_raise_what_the_installed_torch_raises(row):
+    _, setup, call = row
+    with pytest.raises(Exception) as theirs:  # the class torch raises is what this test reads
+        call(torch.nn.utils, setup(fresh()))
+    params = setup(fresh())
+    tensors = [p for p in params if isinstance(p, torch.Tensor)]
+    before = snapshot(tensors)
+    with pytest.raises(type(theirs.value)):
+        call(torchclip, params)
+    assert_unchanged(tensors, before)
+
+
 def test_not_a_tensor_error_is_also_what_torch_raises():
     with pytest.raises(AttributeError):
         torchclip.clip_grad_norm_([3], 1.0)

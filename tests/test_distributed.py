@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from testing import CLIP_RTOL, NORM_RTOL
 
 import torchclip
 import torchclip.distributed
@@ -371,10 +372,11 @@ def hand_sharded_adaptive_worker(rank, world, init_method):
                 clip(params)
                 reference_clip(reference)
                 last = (lambda c: c.last_norms) if name == "quantile-global" else (lambda c: c.last_global_norm)
-                torch.testing.assert_close(last(clip), last(reference_clip), rtol=1e-12, atol=0)
+                # each norm is within NORM_RTOL of the true one; the ranks and one process sum in other blocks
+                torch.testing.assert_close(last(clip), last(reference_clip), rtol=2 * NORM_RTOL[torch.float32], atol=0)
                 for p, piece in zip(params, pieces):
-                    torch.testing.assert_close(p.grad, expected_piece(reference, piece, world), rtol=1e-6, atol=1e-9,
-                                               msg=f"{name}, step {step}")
+                    torch.testing.assert_close(p.grad, expected_piece(reference, piece, world),
+                                               rtol=CLIP_RTOL[torch.float32], atol=1e-9, msg=f"{name}, step {step}")
     finally:
         dist.destroy_process_group()
 

@@ -1,8 +1,8 @@
 """torchclip inside timm's training loop (`pytest -m integration`).
 
 timm needs torchvision, and PyPI's only torchvision for torch 2.13 (0.28.0) is a CUDA build that does not
-import on the CPU torch; so this module runs in the torch 2.14.1 environment (./dev test-wheel, which
-installs requirements-timm.txt) and is skipped where timm is absent.
+import on the CPU torch; so this module runs where ./dev test-torch installs requirements-timm.txt beside the
+torchvision made for that torch (2.11, in CI), and is skipped where timm is absent.
 
 timm's train.py clips through its loss scaler, timm.utils.NativeScaler, which unscales and then calls
 timm.utils.dispatch_clip_grad (timm/utils/clip_grad.py): mode "norm" and "value" call

@@ -1,7 +1,7 @@
 """Drop-ins for torch.nn.utils' gradient clipping, on torchclip's fused multi-tensor kernels.
 
-torch.nn.utils (torch 2.13) is the specification: same signatures, defaults, return values (dtype,
-shape, device), warnings and errors. Plain strided CPU tensors take the kernels, and CUDA tensors too
+torch.nn.utils (of the installed torch, 2.11 to 2.15) is the specification: same signatures, defaults, return
+values (dtype, shape, device), warnings and errors. Plain strided CPU tensors take the kernels, and CUDA tensors too
 when the CUDA kernels are built; anything else (other devices, sparse or subclassed tensors) takes
 torch's own implementation, so it is never wrong.
 

@@ -13,8 +13,9 @@ gradients alone and the step is skipped (counted in the handle's skipped_steps; 
 first evaluation decides, and the step returns its loss); so is a step SkipStepOnSpike refuses. On a
 fused optimizer the refusal is handed to the kernel as its found_inf instead of being read here.
 
-Folded into fused steps: on torch's fused optimizers (Adam, AdamW, SGD, Adagrad with fused=True), when
-one ClipGradByGlobalNorm serves every parameter, the hook computes the global norm alone and hands
+Folded into fused steps: on torch's fused optimizers (Adam, AdamW, SGD, Adagrad with fused=True; those
+whose step torch marks as reading grad_scale, _step_supports_amp_scaling, which torch 2.11's Adagrad lacks,
+so there the clip runs in place), when one ClipGradByGlobalNorm serves every parameter, the hook computes the global norm alone and hands
 1 / the coefficient to the fused kernel as its grad_scale (multiplied by GradScaler's scale, when the
 gradients are still scaled), and nonfinite="skip" as its found_inf: the kernel divides each gradient
 as it reads it, so the clip costs one read of the gradients and no host sync. torch's kernels write
