@@ -115,7 +115,65 @@ at::Tensor adam_step_autograd(c10::DispatchKeySet ks, at::TensorList params, at:
   return stepped;
 }
 
+// Under inference mode the Autograd kernels above are skipped, but a normal tensor's ADInplaceOrView key is
+// not: ATen's in-place ops bump versions there, so a graph that saved the tensor still notices the write.
+// (Outside inference mode the Autograd kernels redispatch past this key, so each write bumps once.)
+template <typename Op, typename... Args>
+void redispatch_then_bump(const Op& op, c10::DispatchKeySet ks, at::TensorList written, Args&&... args) {
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatch(ks & c10::after_ADInplaceOrView_keyset, std::forward<Args>(args)...);
+  }
+  bump_versions(written);
+}
+
+void multi_tensor_scale_inplace_or_view(c10::DispatchKeySet ks, at::TensorList tensors, const at::Tensor& scale) {
+  redispatch_then_bump(op_handles::multi_tensor_scale_(), ks, tensors, tensors, scale);
+}
+
+void multi_tensor_clamp_inplace_or_view(c10::DispatchKeySet ks, at::TensorList tensors, double min, double max) {
+  redispatch_then_bump(op_handles::multi_tensor_clamp_(), ks, tensors, tensors, min, max);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> clip_grad_norm_inplace_or_view(c10::DispatchKeySet ks,
+    at::TensorList grads, double max_norm, double norm_type, bool error_if_nonfinite, double eps,
+    bool norm_at_least_float32, c10::string_view nonfinite) {
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> results;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    results = op_handles::clip_grad_norm_().redispatch(ks & c10::after_ADInplaceOrView_keyset, grads, max_norm,
+        norm_type, error_if_nonfinite, eps, norm_at_least_float32, nonfinite);
+  }
+  bump_versions(grads);
+  return results;
+}
+
+at::Tensor clip_by_tensor_norm_inplace_or_view(c10::DispatchKeySet ks, at::TensorList tensors, double max_norm,
+    c10::string_view nonfinite) {
+  at::Tensor norms;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    norms = op_handles::clip_by_tensor_norm_().redispatch(ks & c10::after_ADInplaceOrView_keyset, tensors, max_norm,
+        nonfinite);
+  }
+  bump_versions(tensors);
+  return norms;
+}
+
+void unitwise_clip_inplace_or_view(c10::DispatchKeySet ks, at::TensorList grads, at::TensorList params,
+    double clip_factor, double eps, double norm_type) {
+  redispatch_then_bump(op_handles::unitwise_clip_(), ks, grads, grads, params, clip_factor, eps, norm_type);
+}
+
 }  // namespace
+
+TORCH_LIBRARY_IMPL(torchclip, ADInplaceOrView, m) {
+  m.impl("multi_tensor_scale_", &multi_tensor_scale_inplace_or_view);
+  m.impl("multi_tensor_clamp_", &multi_tensor_clamp_inplace_or_view);
+  m.impl("clip_grad_norm_", &clip_grad_norm_inplace_or_view);
+  m.impl("clip_by_tensor_norm_", &clip_by_tensor_norm_inplace_or_view);
+  m.impl("unitwise_clip_", &unitwise_clip_inplace_or_view);
+}
 
 TORCH_LIBRARY_IMPL(torchclip, Autograd, m) {
   // Reads only, and its outputs carry no gradient history: nothing for autograd to do.

@@ -21,7 +21,8 @@ float64 tensors on the gradients' device, updated by tensor operations there: on
 reads a norm back to the host (the reference packages call .item() every step); on the CPU, where a
 read waits for nothing, ZScore and the global Quantile run their rules on Python floats. Only the
 number of calls so far, which the host knows, steers control flow (warm-up, the history ring's fill).
-`state_dict()` holds tensors only, and a clip restored from it continues bit for bit. DTensor
+`state_dict()` holds tensors only, and a clip restored from it continues bit for bit, as does a copy
+(copy.deepcopy, pickle, torch.save: see _StatefulClip.__getstate__ for per-parameter state). DTensor
 gradients are clipped by their global norms (torchclip.distributed's one all_gather), so every rank
 keeps the same statistics.
 """
@@ -29,6 +30,7 @@ keeps the same statistics.
 from __future__ import annotations
 
 import bisect
+import copy
 import math
 
 import torch
@@ -181,6 +183,38 @@ class _StatefulClip(ClipGradBase):
     def _forget_rows(self) -> None:
         self._rows = WeakIdKeyDictionary()
         self._rows_taken = 0
+
+    def __getstate__(self) -> dict:
+        """Pickling keeps the per-parameter rows but not which parameter owns each (a parameter pickled
+        alongside is a new object, and weak keys do not pickle): as after load_state_dict, the rows are
+        taken again in the order parameters are next met, so the copy continues bit for bit where they
+        are met in the order they first were."""
+        state = dict(self.__dict__)
+        if "_rows" in state:
+            state["_rows"], state["_rows_taken"] = None, 0
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if "_rows" in state:
+            self._forget_rows()
+
+    def __deepcopy__(self, memo: dict):
+        """A deepcopy's rows go to the copies of the parameters this deepcopy copied before the clip (its memo:
+        a model copied with its optimizer, or a torchclip.optim optimizer alone), else stay with the same
+        parameters, as a clip copied alone is used on them."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in self.__dict__.items():
+            if name == "_rows":
+                rows = WeakIdKeyDictionary()
+                for param, row in value.items():
+                    rows[memo.get(id(param), param)] = row
+                value = rows
+            else:
+                value = copy.deepcopy(value, memo)
+            copied.__dict__[name] = value
+        return copied
 
 
 class ClipGradByZScore(_StatefulClip):

@@ -13,9 +13,14 @@ need_clip, set_gradient_clip). Where Paddle and torch differ, each API keeps its
 
 Both call forms work. `clip(params_grads)` takes (param, grad) pairs, as Paddle's optimizers pass
 them, and returns the pairs whose grad is not None (dropped, as in Paddle); `clip(parameters)` clips
-each `.grad`. Either way the gradients are clipped in place (Paddle returns new tensors holding the
-same values): the fused kernels write where the data is. `clip.last_global_norm` (ClipGradByGlobalNorm)
-holds the last call's norm as a tensor on the gradients' device: logging it needs no host sync.
+each `.grad` (parameters: an iterable of tensors, one tensor, or an nn.Module for its parameters).
+Anything else is a TypeError saying what was given, before any gradient changes: a mapping
+(dict(model.named_parameters()), a state_dict), a str, model.named_parameters()'s (name, param) pairs,
+and a pair whose grad is a weight (the parameter itself, its memory, or another nn.Parameter), which
+would otherwise be clipped in the weight's place. Either way the gradients are clipped in place (Paddle
+returns new tensors holding the same values): the fused kernels write where the data is.
+`clip.last_global_norm` (ClipGradByGlobalNorm) holds the last call's norm as a tensor on the gradients'
+device: logging it needs no host sync.
 
 need_clip: a parameter whose `need_clip` attribute is False (set it with `set_need_clip`) is neither
 clipped nor counted in the global norm, as Paddle's ParamAttr(need_clip=False). The legacy classes'
@@ -26,12 +31,13 @@ the predicate (default: all) both allow it, so either one can exclude it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from torchclip import _ops, _shards, _sparse
+from torchclip.clip_grad import NotATensorError
 
 __all__ = [
     "ClipGradBase",
@@ -48,11 +54,18 @@ __all__ = [
 ]
 
 
+def _number(name: str, value) -> float:
+    """float(value), or a TypeError naming the argument; a bool is refused (a flag where a number goes)."""
+    if not isinstance(value, bool):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    raise TypeError(f"{name} must be a number, got {value!r:.80}")
+
+
 def _positive_finite(name: str, value) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number, got {value!r}") from None
+    number = _number(name, value)
     if not (math.isfinite(number) and number > 0):
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return number
@@ -109,6 +122,106 @@ def add_to_count(count: Tensor | None, found: Tensor) -> Tensor:
     return found.to(torch.int64) + count.to(found.device)
 
 
+# ---- what a clip is called with -------------------------------------------------------------------
+
+# The call forms, as the errors name them.
+_CALL_FORMS = ("parameters (model.parameters(), a list of tensors, one tensor, or a torch.nn.Module) or "
+               "(param, grad) pairs as Paddle's optimizers pass them, e.g. [(p, p.grad) for p in model.parameters()]")
+_PARAMETERS = "parameters (a torch.nn.Module, an iterable of tensors such as model.parameters(), or one tensor)"
+_PARAM_LIST = ("a list of parameters or a list of parameter names in `program` (or a torch.nn.Module, an iterable "
+               "of tensors, one tensor)")
+# The tensor types whose memory _shares_memory reads (a subclass, e.g. DTensor, may have none of its own).
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _brief(value) -> str:
+    """A value for an error message: its type, and its repr cut short (a tensor by its shape, a tuple by its
+    items' types)."""
+    if value is None:
+        return "None"
+    if isinstance(value, Tensor):
+        return f"{type(value).__name__} of shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        shown = ", ".join(type(v).__name__ for v in value[:4]) + (", ..." if len(value) > 4 else "")
+        return f"{type(value).__name__} ({shown})"
+    return f"{type(value).__name__} {value!r:.60}"
+
+
+def _items_of(given, who: str, accepted: str) -> Sequence:
+    """The items of a clip's (or set_need_clip's, set_gradient_clip's) argument: a Module's parameters, one
+    tensor as a list, a list or tuple as it is, any other iterable drained once. A str or a mapping is
+    refused: iterating it gives characters or names (dict(model.named_parameters()), a state_dict)."""
+    if isinstance(given, torch.nn.Module):
+        return list(given.parameters())
+    if isinstance(given, Tensor):
+        return [given]
+    if isinstance(given, (list, tuple)):
+        return given
+    if isinstance(given, Mapping):
+        raise TypeError(f"{who} got a mapping ({type(given).__name__} of {len(given)} entries: names to tensors, "
+                        f"as dict(model.named_parameters()) or a state_dict); it takes {accepted}: pass "
+                        f"model.parameters(), or the mapping's .values() if they are the parameters")
+    if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
+        raise TypeError(f"{who} got {_brief(given)}; it takes {accepted}")
+    return list(given)
+
+
+def _checked_parameters(items: Sequence, who: str, accepted: str) -> Sequence:
+    """items, checked to be tensors (NotATensorError: the AttributeError a non-tensor's .grad raised before)."""
+    for i, p in enumerate(items):
+        if not isinstance(p, Tensor):
+            raise NotATensorError(f"{who}: item {i} is {_brief(p)}, not a tensor; it takes {accepted}")
+    return items
+
+
+def _end(t: Tensor, start: int) -> int:
+    """The end of the bytes a strided tensor's elements lie in, from its first."""
+    if t.is_contiguous():
+        return start + t.nbytes
+    return start + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def _shares_memory(a: Tensor, b: Tensor) -> bool:
+    """Whether two plain strided tensors' spans of memory intersect: a grad that is a view or .detach() of its
+    parameter is the weight itself."""
+    if type(a) not in _PLAIN or type(b) not in _PLAIN or a.layout != torch.strided or b.layout != torch.strided:
+        return False
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    return (a_start != 0 and b_start != 0 and a_start < _end(b, b_start) and b_start < _end(a, a_start)
+            and a.device == b.device)
+
+
+def _checked_pairs(items: Sequence, who: str) -> Sequence:
+    """items, checked to be (param, grad) pairs whose grad is a gradient, never a weight: not the (name,
+    parameter) pairs of model.named_parameters(), not (p, p), not two parameters side by side."""
+    tracing = _ops.dynamo_is_tracing()  # fake tensors have no memory to compare
+    for i, item in enumerate(items):
+        if not isinstance(item, (tuple, list)):
+            raise TypeError(f"{who}: item 0 is a (param, grad) pair but item {i} is {_brief(item)}; it takes "
+                            f"{_CALL_FORMS}, not a mix")
+        if len(item) != 2:
+            raise TypeError(f"{who}: item {i} is a {type(item).__name__} of {len(item)} items, not a (param, grad) "
+                            f"pair; it takes {_CALL_FORMS}")
+        param, grad = item
+        if isinstance(param, str):
+            raise TypeError(f"{who}: item {i} is ({param!r}, {type(grad).__name__}), a (name, parameter) pair as "
+                            f"model.named_parameters() yields, not a (param, grad) pair; it takes {_CALL_FORMS}")
+        if not isinstance(param, Tensor):
+            raise NotATensorError(f"{who}: item {i}'s param must be a Tensor, got {_brief(param)}")
+        if grad is None:
+            continue
+        if not isinstance(grad, Tensor):
+            raise TypeError(f"{who}: item {i}'s grad must be a Tensor or None, got {_brief(grad)}")
+        # (type() first: Parameter's isinstance is a Python-level check, slow on every pair of a long list)
+        weight = type(grad) is not Tensor and isinstance(grad, torch.nn.Parameter)
+        if grad is param or weight or (not tracing and _shares_memory(param, grad)):
+            reason = ("is the parameter itself" if grad is param else "is an nn.Parameter (a weight)" if weight else
+                      "lies in the parameter's own memory")
+            raise TypeError(f"{who}: item {i}'s grad {reason}, not a gradient: clipping it would write the "
+                            f"weights; it takes {_CALL_FORMS}")
+    return items
+
+
 class ClipGradBase:
     """What every clip shares: choosing the gradients to clip and the two call forms.
 
@@ -154,21 +267,21 @@ class ClipGradBase:
         return self._need_clip_predicate is None or bool(self._need_clip_predicate(param))
 
     def __call__(self, params_grads):
-        """clip(pairs) -> clipped pairs (grad None dropped); clip(parameters) -> None.
+        """clip(pairs) -> clipped pairs (grad None dropped); clip(parameters or a Module) -> None.
 
         The one route of every clip: the C++ walk over the parameters and their need_clip marks (a
         need_clip predicate is Python, so it takes the Python walk), else the general path under one
         no_grad()."""
-        if isinstance(params_grads, Tensor):
-            params_grads = [params_grads]
-        items = params_grads if isinstance(params_grads, (list, tuple)) else list(params_grads)
+        who = type(self).__name__
+        items = _items_of(params_grads, who, _CALL_FORMS)
         pairs_form = bool(items) and isinstance(items[0], (tuple, list))
         if pairs_form:
-            pairs = [(p, g) for p, g in items if g is not None]
+            pairs = [(p, g) for p, g in _checked_pairs(items, who) if g is not None]
         else:
+            # The C++ walk takes only tensors (it declines anything else), so the items are checked after it.
             if self._need_clip_predicate is None and not _ops.dynamo_is_tracing() and self._clip_parameters(items):
                 return None
-            pairs = [(p, p.grad) for p in items if p.grad is not None]
+            pairs = [(p, p.grad) for p in _checked_parameters(items, who, _CALL_FORMS) if p.grad is not None]
         with torch.no_grad():
             self._clip_pairs([(p, g) for p, g in pairs if self._wants(p)])
         return pairs if pairs_form else None
@@ -193,13 +306,13 @@ class ClipGradByValue(ClipGradBase):
     """
 
     def __init__(self, max: float, min: float | None = None):
-        upper = float(max)
+        upper = _number("max", max)
         if min is None:
             if not upper > 0:
                 raise ValueError(f"ClipGradByValue: max must be > 0 when min is None, got max={max!r}")
             lower = -upper
         else:
-            lower = float(min)
+            lower = _number("min", min)
             if lower > upper:
                 raise ValueError(f"ClipGradByValue: min must be <= max, got min={min!r}, max={max!r}")
         if math.isnan(lower) or math.isnan(upper):
@@ -427,24 +540,13 @@ class GradientClipByGlobalNorm(ClipGradByGlobalNorm):
 # ---- need_clip marks ----------------------------------------------------------------------------
 
 
-def _parameters_of(target) -> list[Tensor]:
-    if isinstance(target, torch.nn.Module):
-        return list(target.parameters())
-    if isinstance(target, Tensor):
-        return [target]
-    params = list(target)
-    for i, p in enumerate(params):
-        if not isinstance(p, Tensor):
-            raise TypeError(f"expected parameters (tensors), but item {i} is {type(p).__name__}")
-    return params
-
-
 def set_need_clip(target, need_clip: bool) -> int:
     """Mark parameters (a module's, an iterable's, or one) as clipped or not, as Paddle's
     ParamAttr(need_clip=...). Returns how many were marked."""
     if not isinstance(need_clip, bool):
         raise TypeError(f"need_clip must be a bool, got {need_clip!r}")
-    params = _parameters_of(target)
+    params = _checked_parameters(_items_of(target, "set_need_clip: target", _PARAMETERS), "set_need_clip: target",
+                                 _PARAMETERS)
     for p in params:
         p.need_clip = need_clip
     _marks_changed()
@@ -460,6 +562,9 @@ def exclude_from_clipping(module: torch.nn.Module, *, biases: bool = True, norm_
     `module` (a common choice for weight decay and clipping alike). Returns how many were marked."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    for name, flag in (("biases", biases), ("norm_layers", norm_layers)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r:.60}")
     marked = set()
     for _, sub in module.named_modules():
         for name, p in sub.named_parameters(recurse=False):
@@ -480,32 +585,32 @@ _default_clip: ClipGradBase | None = None
 def set_gradient_clip(clip: ClipGradBase, param_list=None, program: torch.nn.Module | None = None) -> None:
     """Set a default clip for parameters (Paddle's fluid.clip.set_gradient_clip).
 
-    param_list: parameters, or their names resolved in `program` (the nn.Module that owns them, since
-    torch has no global program); None means all of `program`'s parameters, or, with no program,
-    every parameter an optimizer hook meets. ClipGradByGlobalNorm clips set this way that share a
-    group_name compute one global norm and must share clip_norm (Paddle's rule: a ValueError at the
-    step otherwise). An optimizer's own grad_clip takes precedence, with a warning (Paddle's fourth
+    param_list: parameters (an iterable, one tensor, or a Module's), or their names resolved in `program`
+    (the nn.Module that owns them, since torch has no global program); None means all of `program`'s
+    parameters, or, with no program, every parameter an optimizer hook meets. ClipGradByGlobalNorm clips
+    set this way that share a group_name compute one global norm and must share clip_norm (Paddle's rule:
+    a ValueError at the step otherwise). An optimizer's own grad_clip takes precedence, with a warning (Paddle's fourth
     example). clip=None clears the defaults set for those parameters.
     """
     global _default_clip
-    _marks_changed()
     if clip is not None and not isinstance(clip, ClipGradBase):
         raise TypeError(f"clip must be a ClipGradBase instance (e.g. ClipGradByGlobalNorm), got {clip!r}")
     if program is not None and not isinstance(program, torch.nn.Module):
         raise TypeError(f"program must be the torch.nn.Module owning the parameters, got {type(program).__name__}")
     if param_list is None:
-        if program is None:
-            _default_clip = clip
-            return
-        params = list(program.parameters())
+        params = None if program is None else list(program.parameters())
     else:
-        params = _resolve_params(list(param_list), program)
+        params = _resolve_params(_items_of(param_list, "set_gradient_clip: param_list", _PARAM_LIST), program)
+    _marks_changed()
+    if params is None:
+        _default_clip = clip
+        return
     for p in params:
         p.gradient_clip_attr = clip
 
 
-def _resolve_params(items: list, program) -> list[Tensor]:
-    if all(isinstance(i, str) for i in items):
+def _resolve_params(items: Sequence, program) -> Sequence[Tensor]:
+    if items and all(isinstance(i, str) for i in items):
         if program is None:
             raise ValueError("set_gradient_clip: parameter names need `program`, the nn.Module that owns them")
         named = dict(program.named_parameters())
@@ -514,9 +619,12 @@ def _resolve_params(items: list, program) -> list[Tensor]:
             raise ValueError(f"set_gradient_clip: no parameter named {unknown} in {type(program).__name__} "
                              f"(it has {sorted(named)[:8]}{'...' if len(named) > 8 else ''})")
         return [named[name] for name in items]
-    if all(isinstance(i, Tensor) for i in items):
-        return items
-    raise TypeError("set_gradient_clip: param_list must be a list of parameters or a list of parameter names")
+    kind = str if items and isinstance(items[0], str) else Tensor
+    for i, item in enumerate(items):
+        if not isinstance(item, kind):
+            raise TypeError(f"set_gradient_clip: param_list item {i} is {_brief(item)}; it takes {_PARAM_LIST}, "
+                            f"not a mix")
+    return items
 
 
 def gradient_clip_of(param) -> ClipGradBase | None:

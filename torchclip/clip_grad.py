@@ -24,7 +24,8 @@ Values torch accepts keep torch's meaning, odd as some are: max_norm < 0 flips e
 (pytorch issue 31367), max_norm NaN makes them NaN, max_norm inf leaves them unchanged; clip_value < 0
 sets every gradient to clip_value, clip_value NaN makes them NaN. (The Paddle-style classes refuse
 such values.) What torch does not check is refused with an error naming the argument and its value,
-before any gradient changes: a norm_type, max_norm or clip_value that is not a number, an item that
+before any gradient changes: a norm_type, max_norm or clip_value that is not a number, a total_norm
+that is not a 0-d tensor (torch's error classes, with the argument named), an item that
 is not a tensor (NotATensorError, both a TypeError and the AttributeError torch raises), a gradient
 whose shape is not its parameter's, and (for norms) an integer or bool gradient.
 """
@@ -183,13 +184,24 @@ def clip_grads_with_norm_(
     """
     parameters = _as_list(parameters)
     grads = _grads(parameters)
+    max_norm = _as_number("max_norm", max_norm)
+    _check_total_norm(total_norm)
     with torch.no_grad():
         if not _ops.kernels_serve(grads):
             return _torch_clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
-        max_norm = _as_number("max_norm", max_norm)
         if grads:
             _ops.multi_tensor_scale_(grads, _coefficient(max_norm, total_norm, 1e-6).to(grads[0].device))
     return None
+
+
+def _check_total_norm(total_norm) -> None:
+    """torch's errors for a total_norm that is not a 0-d tensor (TypeError, RuntimeError), naming it; the
+    kernels would take a 1-d one as a scale per gradient."""
+    if not isinstance(total_norm, Tensor):
+        raise TypeError(f"total_norm must be a 0-d tensor (get_total_norm's result), got {total_norm!r:.60}")
+    if total_norm.dim() != 0:
+        raise RuntimeError(f"total_norm must be a 0-d tensor (get_total_norm's result), got a tensor of shape "
+                           f"{tuple(total_norm.shape)}")
 
 
 def _coefficient(max_norm: float, total_norm: Tensor, eps: float) -> Tensor:

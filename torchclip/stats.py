@@ -21,9 +21,18 @@ def grad_norm(module: torch.nn.Module, norm_type: float | str, group_separator: 
     brings them back. Values are 0-d CPU tensors, each in its gradient's (real) dtype (the total in
     the gradients' promoted dtype), ready for `self.log_dict(...)` without further syncs.
     """
-    norm_type = float(norm_type)
-    if norm_type <= 0:
-        raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(group_separator, str):
+        raise TypeError(f"group_separator must be a str, got {group_separator!r:.60}")
+    refused = "`norm_type` must be a positive number or 'inf' (infinity norm). Got"  # Lightning's words
+    try:
+        number = float(norm_type)
+    except (TypeError, ValueError) as error:  # float()'s class, as Lightning raises
+        raise type(error)(f"{refused} {norm_type!r:.60}") from None
+    if not number > 0:  # NaN too, which Lightning lets through to NaN norms
+        raise ValueError(f"{refused} {number}")
+    norm_type = number
     named = [(name, p.grad.detach()) for name, p in module.named_parameters() if p.grad is not None]
     if not named:
         return {}

@@ -149,6 +149,8 @@ def clip_by_global_norm(t_list, clip_norm, use_norm=None) -> tuple[list[Tensor |
     clip_norm = _clip_norm("clip_norm", clip_norm)
     if use_norm is not None and not (isinstance(use_norm, (int, float, Tensor)) and not isinstance(use_norm, bool)):
         raise TypeError(f"use_norm must be a number or a 0-d tensor, got {use_norm!r}")
+    if isinstance(use_norm, Tensor) and use_norm.dim() != 0:
+        raise ValueError(f"use_norm must be a number or a 0-d tensor, got a tensor of shape {tuple(use_norm.shape)}")
     if not tensors:
         return list(t_list), torch.as_tensor(0.0 if use_norm is None else use_norm)
     device = tensors[0].device

@@ -1,8 +1,10 @@
 #include "kernel_loader.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/cpu/Utils.h>
 #include <c10/util/Exception.h>
 #include <dlfcn.h>
+#include <pthread.h>
 
 #include <atomic>
 #include <string>
@@ -14,7 +16,20 @@ namespace {
 // Libraries are never unloaded: a switch leaves the old one mapped, so a kernel still running on
 // another thread keeps valid code under it.
 std::atomic<const cpu::KernelTable*> active_table{nullptr};
+
+// Set in a child made by fork(), by the one thing an atfork handler may safely do: store a flag.
+std::atomic<bool> forked_child{false};
+void note_forked_child() {
+  forked_child.store(true, std::memory_order_relaxed);
+}
+const int atfork_registered = pthread_atfork(nullptr, nullptr, note_forked_child);
 }  // namespace
+
+void one_thread_after_fork() {
+  if (C10_UNLIKELY(forked_child.load(std::memory_order_relaxed)) && forked_child.exchange(false)) {
+    at::set_num_threads(1);
+  }
+}
 
 bool cpu_runs(const std::string& capability) {
   // cpuinfo's names for what each library's flags enable. torch's own AVX512 test asks for avx512_f
@@ -62,6 +77,7 @@ std::string loaded_cpu_capability() {
 }
 
 const cpu::KernelTable& cpu_kernels() {
+  one_thread_after_fork();
   const cpu::KernelTable* table = active_table.load();
   TORCH_CHECK(table != nullptr, "torchclip: no CPU kernel library is loaded. `import torchclip` loads the "
       "one for this CPU; C++ users call torchclip::load_cpu_kernels(path) first.");

@@ -19,7 +19,12 @@ std::string load_cpu_kernels(const std::string& path);
 // The capability name of the loaded library, or "" when none is loaded.
 std::string loaded_cpu_capability();
 
-// The active table; raises a clear error when no library was loaded.
+// In a child made by fork(), the first call sets torch's intra-op threads to 1, as torch's DataLoader does in
+// its workers: OpenMP's thread pool does not survive fork, and a child whose parent ran a parallel region
+// hangs in its next one (torch's own large ops too). Every CPU op and the parameter walk call it first.
+void one_thread_after_fork();
+
+// The active table (after one_thread_after_fork); raises a clear error when no library was loaded.
 const cpu::KernelTable& cpu_kernels();
 
 }  // namespace torchclip

@@ -95,12 +95,39 @@ at::Tensor scalar_in_dtype(double value, at::ScalarType dtype) {
   return at::scalar_tensor(value, at::kDouble).to(dtype);
 }
 
+// Calls on_span(k) for a tensor the kernels take (spans[k]) or on_aten(i) for tensors[i], one tensor at a
+// time in list order: how the in-place ops treat a list whose tensors may share memory.
+template <typename OnSpan, typename OnAten>
+void in_list_order(at::TensorList tensors, const Split& split, const OnSpan& on_span, const OnAten& on_aten) {
+  std::vector<int64_t> span_of(tensors.size(), -1);
+  for (size_t k = 0; k < split.spans.size(); ++k) {
+    span_of[split.span_source[k]] = static_cast<int64_t>(k);
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (span_of[i] >= 0) {
+      on_span(span_of[i]);
+    } else {
+      on_aten(static_cast<int64_t>(i));
+    }
+  }
+}
+
 // tensors[i] *= scales[i]; scales of exactly 1 are skipped by the kernels (and here, for ATen's path).
 // `aten_scale(i)` gives the factor ATen's path multiplies by: a double, or a 0-d tensor where torch's
 // type promotion must be reproduced exactly.
 template <typename AtenScale>
 void apply_scales(at::TensorList tensors, const Split& split, const std::vector<double>& scales,
     const AtenScale& aten_scale) {
+  if (tensors_may_overlap(tensors)) {
+    in_list_order(tensors, split,
+        [&](int64_t k) { cpu_kernels().scale(&split.spans[k], 1, &scales[split.span_source[k]]); },
+        [&](int64_t i) {
+          if (scales[i] != 1.0) {
+            tensors[i].mul_(aten_scale(i));
+          }
+        });
+    return;
+  }
   if (!split.spans.empty()) {
     std::vector<double> span_scales(split.spans.size());
     for (size_t k = 0; k < split.spans.size(); ++k) {
@@ -144,6 +171,11 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_split(at::TensorList tensor
 void multi_tensor_clamp_split(at::TensorList tensors, const Split& split, double min, double max) {
   constexpr const char* op = "torchclip.multi_tensor_clamp_";
   check_clampable(tensors, split.aten_path, op);
+  if (tensors_may_overlap(tensors)) {
+    in_list_order(tensors, split, [&](int64_t k) { cpu_kernels().clamp(&split.spans[k], 1, min, max); },
+        [&](int64_t i) { tensors[i].clamp_min_(min).clamp_max_(max); });
+    return;
+  }
   if (!split.spans.empty()) {
     cpu_kernels().clamp(split.spans.data(), static_cast<int64_t>(split.spans.size()), min, max);
   }
@@ -184,11 +216,31 @@ at::Tensor clip_by_tensor_norm_split(at::TensorList tensors, const Split& split,
   const std::vector<double> norms = tensor_norms_wide(tensors, split, 2.0, op);
   const bool any_nonfinite = std::any_of(norms.begin(), norms.end(), [](double n) { return !std::isfinite(n); });
   TORCH_CHECK(!(any_nonfinite && policy == NonFinite::Raise), op, kTensorNormNonFinite);
-  std::vector<double> scales(norms.size(), 1.0);
-  for (size_t i = 0; i < norms.size() && !(any_nonfinite && policy == NonFinite::Skip); ++i) {
-    // Unchanged when norm <= max_norm; otherwise max_norm / norm (NaN for a NaN norm: propagated).
-    scales[i] = norms[i] <= max_norm ? 1.0 : max_norm / norms[i];
+  // Unchanged when norm <= max_norm; otherwise max_norm / norm (NaN for a NaN norm: propagated).
+  const auto scale_for = [&](double norm) { return norm <= max_norm ? 1.0 : max_norm / norm; };
+  if (any_nonfinite && policy == NonFinite::Skip) {
+    return float64_vector(norms);
   }
+  if (tensors_may_overlap(tensors)) {
+    // Each tensor clipped by its norm as the ones before it left it, as a loop over the list does.
+    std::vector<double> seen(norms.size());
+    in_list_order(tensors, split,
+        [&](int64_t k) {
+          double& norm = seen[split.span_source[k]];
+          cpu_kernels().tensor_norms(&split.spans[k], 1, norm_order(2.0), &norm);
+          const double scale = scale_for(norm);
+          cpu_kernels().scale(&split.spans[k], 1, &scale);
+        },
+        [&](int64_t i) {
+          seen[i] = aten_norm(tensors[i], 2.0);
+          if (const double scale = scale_for(seen[i]); scale != 1.0) {
+            tensors[i].mul_(scale);
+          }
+        });
+    return float64_vector(seen);
+  }
+  std::vector<double> scales(norms.size());
+  std::transform(norms.begin(), norms.end(), scales.begin(), scale_for);
   apply_scales(tensors, split, scales);
   return float64_vector(norms);
 }
@@ -209,6 +261,7 @@ void multi_tensor_scale_cpu(at::TensorList tensors, const at::Tensor& scale) {
       scale.sizes());
   TORCH_CHECK(scale.device().is_cpu(), op, ": scale is on ", scale.device(), "; expected CPU");
   TORCH_CHECK(!scale.is_complex(), op, ": scale has dtype ", scale.scalar_type(), "; expected a real dtype");
+  check_not_inference(tensors, op);
   Split split = split_tensors(tensors, op);
   check_writable(tensors, split.aten_path, op);
   // torch multiplies a 0-d tensor by a 0-d scale in their promoted dtype (float32 x float64 in
@@ -236,11 +289,13 @@ void multi_tensor_scale_cpu(at::TensorList tensors, const at::Tensor& scale) {
 }
 
 void multi_tensor_clamp_cpu(at::TensorList tensors, double min, double max) {
+  check_not_inference(tensors, "torchclip.multi_tensor_clamp_");
   multi_tensor_clamp_split(tensors, split_tensors(tensors, "torchclip.multi_tensor_clamp_"), min, max);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> clip_grad_norm_cpu(at::TensorList grads, double max_norm,
     double norm_type, bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite) {
+  check_not_inference(grads, "torchclip.clip_grad_norm_");
   NormClipStats stats;
   at::Tensor total = clip_grad_norm_split(grads, split_tensors(grads, "torchclip.clip_grad_norm_"), max_norm,
       norm_type, error_if_nonfinite, eps, norm_at_least_float32, nonfinite, &stats);
@@ -248,6 +303,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> clip_grad_norm_cpu(at::TensorList
 }
 
 at::Tensor clip_by_tensor_norm_cpu(at::TensorList tensors, double max_norm, c10::string_view nonfinite) {
+  check_not_inference(tensors, "torchclip.clip_by_tensor_norm_");
   return clip_by_tensor_norm_split(tensors, split_tensors(tensors, "torchclip.clip_by_tensor_norm_"), max_norm,
       nonfinite);
 }
@@ -299,6 +355,7 @@ void unitwise_clip_cpu(at::TensorList grads, at::TensorList params, double clip_
     TORCH_CHECK(at::has_internal_overlap(grads[i]) != at::MemOverlap::Yes, op, ": grads[", i,
         "] has elements that share memory (an expanded view?), so it cannot be modified in place");
   }
+  check_not_inference(grads, op);
   // Pairs whose two tensors are contiguous and of kernel dtypes go to the kernels unit by unit (a row
   // each); the rest to ATen, tensor by tensor.
   std::vector<int64_t> kernel_pairs, aten_pairs;
@@ -310,6 +367,12 @@ void unitwise_clip_cpu(at::TensorList grads, at::TensorList params, double clip_
         "] must be floating point, got ", g.scalar_type(), " and ", p.scalar_type());
     const bool kernels_take = g.is_contiguous() && p.is_contiguous() && kernel_dtype(g) && kernel_dtype(p);
     (kernels_take ? kernel_pairs : aten_pairs).push_back(static_cast<int64_t>(i));
+  }
+  if (tensors_may_overlap(grads)) {  // each pair as a loop over the list clips it, after the ones before
+    for (size_t i = 0; i < grads.size(); ++i) {
+      unitwise_clip_cpu(grads.slice(i, 1), params.slice(i, 1), clip_factor, eps, norm_type);
+    }
+    return;
   }
   std::vector<cpu::TensorSpan> weight_units, grad_units;
   for (int64_t i : kernel_pairs) {

@@ -13,6 +13,7 @@
 #include <limits>
 #include <memory>
 
+#include "cpu/kernel_loader.h"
 #include "op_shared.h"
 
 namespace torchclip::walk {
@@ -395,24 +396,33 @@ bool GatheredTensors::gather(PyObject* object, bool take_grad, bool honor_need_c
 }
 
 bool GatheredTensors::walk(PyObject* object, bool take_grad, bool honor_need_clip) {
-  const std::optional<Items> listed = items_of(object);
+  std::optional<Items> listed = items_of(object);
   if (!listed) {
     return false;
   }
   const Py_ssize_t count = listed->count;
   PyObject* const* elements = listed->elements;
   // The need_clip marks first, on this thread: a getattr is a Python call, which the walkers cannot
-  // make, and it may run Python code (a property) that could drop a gradient the walk would borrow.
+  // make, and it may run Python code (a property) that could drop a gradient the walk would borrow, or
+  // change the list itself: then the list is walked by the general path, which holds its own references.
   std::unique_ptr<uint8_t[]> excluded;
   if (honor_need_clip) {
+    const std::vector<PyObject*> items_before(elements, elements + count);
     excluded.reset(new uint8_t[count]);
     for (Py_ssize_t i = 0; i < count; ++i) {
-      if (!THPVariable_CheckExact(elements[i])) {
+      if (!THPVariable_CheckExact(items_before[i])) {
         return false;
       }
-      excluded[i] = !need_clip(elements[i]);
+      excluded[i] = !need_clip(items_before[i]);
     }
+    listed = items_of(object);  // (a list's item array may have moved)
+    if (!listed || listed->count != count ||
+        !std::equal(items_before.begin(), items_before.end(), listed->elements)) {
+      return false;
+    }
+    elements = listed->elements;
   }
+  one_thread_after_fork();
   const std::optional<c10::Device> device = first_device(*listed, take_grad);
   if (!device || !kernels_built_for(*device)) {
     return false;
