@@ -167,20 +167,21 @@ def test_a_forked_child_clips_instead_of_hanging(how):
 def test_a_need_clip_property_that_changes_the_list_does_not_crash():
     script = textwrap.dedent("""
         import torch, torchclip
-        params = []
-        for _ in range(64):
-            p = torch.nn.Parameter(torch.zeros(1000))
-            p.grad = torch.ones(1000)
-            params.append(p)
+        def fresh():
+            params = []
+            for _ in range(64):
+                p = torch.nn.Parameter(torch.zeros(1000))
+                p.grad = torch.ones(1000)
+                params.append(p)
+            return params
+        current = []
         def need_clip(self):
-            if params:
-                for q in params:
-                    q.grad = None
-                params.clear()  # frees the list's item array and, with it, the only references
+            current.clear()  # frees the list's item array and the only references to the other parameters
             return True
         torch.nn.Parameter.need_clip = property(need_clip)
         for clip in (torchclip.ClipGradByGlobalNorm(0.1), torchclip.ClipGradByNorm(0.1), torchclip.ClipGradByValue(0.1)):
-            clip(list(params))
+            current[:] = fresh()
+            clip(current)
         print("survived")
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

@@ -407,7 +407,19 @@ bool GatheredTensors::walk(PyObject* object, bool take_grad, bool honor_need_cli
   // change the list itself: then the list is walked by the general path, which holds its own references.
   std::unique_ptr<uint8_t[]> excluded;
   if (honor_need_clip) {
-    const std::vector<PyObject*> items_before(elements, elements + count);
+    // Owned while Python code runs: a property that empties the list must not free an item we still read.
+    struct OwnedItems {
+      std::vector<PyObject*> items;
+      ~OwnedItems() {
+        for (PyObject* item : items) {
+          Py_DECREF(item);  // (the list, unchanged when the walk goes on, still holds each one)
+        }
+      }
+    } owned{std::vector<PyObject*>(elements, elements + count)};
+    const std::vector<PyObject*>& items_before = owned.items;
+    for (PyObject* item : items_before) {
+      Py_INCREF(item);
+    }
     excluded.reset(new uint8_t[count]);
     for (Py_ssize_t i = 0; i < count; ++i) {
       if (!THPVariable_CheckExact(items_before[i])) {
