@@ -5,7 +5,9 @@ Short campaign: tests/test_fuzz.py runs it in CI. Long campaign:
 prints the number of cases tried and exits non-zero on the first failure (with hypothesis' shrunk
 example). Inputs: 1-6 tensors of float16/bfloat16/float32/float64, 0-3 dimensions, contiguous,
 transposed, strided or offset views, values mixing normal draws with NaN, +-inf, +-0, subnormals and
-each dtype's extremes.
+each dtype's extremes. A second campaign (`--shared-cases`) draws lists whose gradients share memory:
+the same tensor repeated, overlapping views, adjacent views of one buffer, separate tensors, some made
+in inference mode, on 2 threads and up to ~200k elements so the kernels split the work.
 """
 
 from __future__ import annotations
@@ -170,12 +172,93 @@ def campaign(cases: int, derandomize: bool = False) -> int:
     return count
 
 
+@st.composite
+def shared_lists(draw):
+    """(buffer, [(kind, start, length) or ("repeat", index)], dtype, in inference mode)."""
+    dtype = draw(st.sampled_from(DTYPES))
+    size = draw(st.sampled_from([64, 1000, 70_000, 200_000]))
+    items = []
+    for _ in range(draw(st.integers(1, 6))):
+        kind = draw(st.sampled_from(["view", "view", "repeat", "separate"] if items else ["view", "separate"]))
+        if kind == "repeat":
+            items.append(("repeat", draw(st.integers(0, len(items) - 1))))
+        else:
+            start = draw(st.integers(0, size - 1))
+            items.append((kind, start, draw(st.integers(1, size - start))))
+    return dtype, size, items, draw(st.booleans()), draw(st.integers(0, 2**31 - 1))
+
+
+def build_shared(dtype, size, items, seed):
+    generator = torch.Generator().manual_seed(seed)
+    buffer = (torch.randn(size, generator=generator, dtype=torch.float64) * 0.1).to(dtype)
+    grads = []
+    for item in items:
+        if item[0] == "repeat":
+            grads.append(grads[item[1]])
+        else:
+            _, start, length = item
+            view = buffer[start:start + length]
+            grads.append(view if item[0] == "view" else view.clone())
+    params, made = [], {}
+    for g in grads:  # one parameter per distinct gradient object: a repeat lists the same parameter again
+        if id(g) not in made:
+            made[id(g)] = params_with([g])[0]
+        params.append(made[id(g)])
+    return params
+
+
+def run_shared_case(dtype, size, items, inference, seed, op, capability):
+    """torchclip on one copy of the list, torch.nn.utils on another, built alike: each listed gradient clipped
+    in list order (shared elements scaled once per listing)."""
+    torchclip.set_cpu_capability(capability)
+    mode = torch.inference_mode() if inference else torch.no_grad()
+    with mode:
+        ours, theirs = build_shared(dtype, size, items, seed), build_shared(dtype, size, items, seed)
+        if op == "value":
+            torchclip.clip_grad_value_(ours, 0.05)
+            torch.nn.utils.clip_grad_value_(theirs, 0.05)
+            for p, q in zip(ours, theirs):
+                assert torch.equal(p.grad, q.grad)
+            return
+        total = torchclip.clip_grad_norm_(ours, 0.5)
+        expected = torch.nn.utils.clip_grad_norm_(theirs, 0.5)
+    # torch sums 16/32-bit squares in their own dtype; the coefficient's error is applied once per listing.
+    rtol = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}[dtype]
+    torch.testing.assert_close(total, expected, rtol=rtol, atol=0)
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=torch.finfo(dtype).tiny)
+
+
+def shared_campaign(cases: int, derandomize: bool = False) -> int:
+    count = 0
+
+    @settings(max_examples=cases, deadline=None, database=None, derandomize=derandomize,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(case=shared_lists(), op=st.sampled_from(["norm", "value"]),
+           capability=st.sampled_from(torchclip.cpu_capabilities()))
+    def property_holds(case, op, capability):
+        nonlocal count
+        count += 1
+        run_shared_case(*case, op, capability)
+
+    before, threads = torchclip.get_cpu_capability(), torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        property_holds()
+    finally:
+        torchclip.set_cpu_capability(before)
+        torch.set_num_threads(threads)
+    return count
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", type=int, default=100_000)
+    parser.add_argument("--shared-cases", type=int, default=2_000, help="lists whose gradients share memory")
     args = parser.parse_args(argv)
     count = campaign(args.cases)
-    print(f"fuzz: {count} cases tried, no failure")
+    shared = shared_campaign(args.shared_cases)
+    print(f"fuzz: {count} cases tried, and {shared} lists sharing memory, no failure")
     return 0
 
 

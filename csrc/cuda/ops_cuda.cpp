@@ -171,6 +171,23 @@ cudaStream_t current_stream() {
   return c10::cuda::getCurrentCUDAStream().stream();
 }
 
+// Runs launch(spans, count) over `spans` in one launch or, when two listed tensors may share memory, one
+// span per launch in list order: the blocks of one launch run concurrently and would race on shared
+// elements, where torch scales (clamps) each listed tensor in turn.
+template <typename Launch>
+void launch_over(at::TensorList tensors, const std::vector<DeviceSpan>& spans, const Launch& launch) {
+  if (spans.empty()) {
+    return;
+  }
+  if (tensors_may_overlap(tensors)) {
+    for (const DeviceSpan& span : spans) {
+      launch(&span, int64_t{1});
+    }
+  } else {
+    launch(spans.data(), static_cast<int64_t>(spans.size()));
+  }
+}
+
 // Each op below in two parts, as the CPU ops (cpu/ops_cpu.h): *_on takes a split list, from the op's
 // own split_tensors (the dispatcher's route) or from the walk (CudaSplitOps, the fast path's).
 constexpr const char* kNormOp = "torchclip.multi_tensor_norm";
@@ -206,6 +223,7 @@ void multi_tensor_scale_cuda(at::TensorList tensors, const at::Tensor& scale) {
       " or the CPU");
   TORCH_CHECK(!scale.is_complex(), op, ": scale has dtype ", scale.scalar_type(), "; expected a real dtype");
   const c10::cuda::CUDAGuard guard(device);
+  check_not_inference(tensors, op);
   DeviceSplit split = split_tensors(tensors, op, device);
   check_writable(tensors, split.aten_path, op);
   // torch multiplies a 0-d tensor by a 0-d scale in their promoted dtype (float32 x float64 in
@@ -224,10 +242,9 @@ void multi_tensor_scale_cuda(at::TensorList tensors, const at::Tensor& scale) {
   const at::Tensor factors = scale.is_cpu() && scale.dim() == 0
       ? at::full({}, scale.item<double>(), float64_on(device))
       : scale.to(device, at::kDouble).contiguous();
-  if (!spans.empty()) {
-    cuda::scale(spans.data(), static_cast<int64_t>(spans.size()), factors.data_ptr<double>(), scale.dim() == 0 ? 0 : 1,
-        current_stream());
-  }
+  launch_over(tensors, spans, [&](const DeviceSpan* some, int64_t count) {
+    cuda::scale(some, count, factors.data_ptr<double>(), scale.dim() == 0 ? 0 : 1, current_stream());
+  });
   // The CPU op skips ATen's multiply when the factor is exactly 1; that test would need the value on
   // the host, and x * 1 == x for every x, so here it always multiplies.
   for (int64_t i : split.aten_path) {
@@ -240,15 +257,16 @@ constexpr const char* kClampOp = "torchclip.multi_tensor_clamp_";
 void multi_tensor_clamp_on(at::TensorList tensors, const DeviceSplit& split, double min, double max) {
   const c10::cuda::CUDAGuard guard(split.device);
   check_clampable(tensors, split.aten_path, kClampOp);
-  if (!split.spans.empty()) {
-    cuda::clamp(split.spans.data(), static_cast<int64_t>(split.spans.size()), min, max, current_stream());
-  }
+  launch_over(tensors, split.spans, [&](const DeviceSpan* some, int64_t count) {
+    cuda::clamp(some, count, min, max, current_stream());
+  });
   for (int64_t i : split.aten_path) {
     tensors[i].clamp_min_(min).clamp_max_(max);
   }
 }
 
 void multi_tensor_clamp_cuda(at::TensorList tensors, double min, double max) {
+  check_not_inference(tensors, kClampOp);
   const c10::Device device = op_device(tensors, nullptr);
   multi_tensor_clamp_on(tensors, split_tensors(tensors, kClampOp, device), min, max);
 }
@@ -271,10 +289,9 @@ at::Tensor clip_grad_norm_on(at::TensorList grads, const DeviceSplit& split, dou
   if (error_if_nonfinite || policy == NonFinite::Raise) {
     check_finite_total(total.item<double>(), norm_type, true);  // the check needs the value: a sync, as torch's
   }
-  if (!split.spans.empty()) {
-    cuda::scale(split.spans.data(), static_cast<int64_t>(split.spans.size()), coefficient.data_ptr<double>(), 0,
-        stream);
-  }
+  launch_over(grads, split.spans, [&](const DeviceSpan* some, int64_t count) {
+    cuda::scale(some, count, coefficient.data_ptr<double>(), 0, stream);
+  });
   for (int64_t i : split.aten_path) {
     aten_scale(grads[i], coefficient);
   }
@@ -292,6 +309,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> clip_grad_norm_cuda(at::TensorLis
     double norm_type, bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite) {
   const NonFinite policy = parse_nonfinite(nonfinite, kClipGradNormOp);
   const c10::Device device = op_device(grads, nullptr);
+  check_not_inference(grads, kClipGradNormOp);
   NormClipStats stats;
   at::Tensor total = clip_grad_norm_on(grads, split_tensors(grads, kClipGradNormOp, device), max_norm, norm_type,
       error_if_nonfinite, eps, norm_at_least_float32, policy, &stats);
@@ -314,9 +332,9 @@ at::Tensor clip_by_tensor_norm_on(at::TensorList tensors, const DeviceSplit& spl
   if (policy == NonFinite::Raise) {
     TORCH_CHECK(any_nonfinite.item<int32_t>() == 0, op, kTensorNormNonFinite);  // a sync, for the check
   }
-  if (!split.spans.empty()) {
-    cuda::scale(split.spans.data(), static_cast<int64_t>(split.spans.size()), scales.data_ptr<double>(), 1, stream);
-  }
+  launch_over(tensors, split.spans, [&](const DeviceSpan* some, int64_t count) {
+    cuda::scale(some, count, scales.data_ptr<double>(), 1, stream);
+  });
   for (int64_t i : split.aten_path) {
     aten_scale(tensors[i], scales.select(0, i));
   }
@@ -326,6 +344,7 @@ at::Tensor clip_by_tensor_norm_on(at::TensorList tensors, const DeviceSplit& spl
 at::Tensor clip_by_tensor_norm_cuda(at::TensorList tensors, double max_norm, c10::string_view nonfinite) {
   const NonFinite policy = parse_nonfinite(nonfinite, kClipByTensorNormOp);
   const c10::Device device = op_device(tensors, nullptr);
+  check_not_inference(tensors, kClipByTensorNormOp);
   return clip_by_tensor_norm_on(tensors, split_tensors(tensors, kClipByTensorNormOp, device), max_norm, policy);
 }
 
