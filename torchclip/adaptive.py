@@ -22,9 +22,22 @@ reads a norm back to the host (the reference packages call .item() every step); 
 read waits for nothing, ZScore and the global Quantile run their rules on Python floats. Only the
 number of calls so far, which the host knows, steers control flow (warm-up, the history ring's fill).
 `state_dict()` holds tensors only, and a clip restored from it continues bit for bit, as does a copy
-(copy.deepcopy, pickle, torch.save: see _StatefulClip.__getstate__ for per-parameter state). DTensor
-gradients are clipped by their global norms (torchclip.distributed's one all_gather), so every rank
-keeps the same statistics.
+(copy.deepcopy, pickle, torch.save: see _ParamRows for per-parameter state). DTensor gradients are
+clipped by their global norms (torchclip.distributed's one all_gather), so every rank keeps the same
+statistics.
+
+A NaN or inf norm: each clip takes `nonfinite`, as the norm-based Paddle classes do. "propagate" (the
+default) is the reference packages' rule: the norm enters the statistics and scales the gradients, so
+ZScore's mean and variance stay NaN for the rest of the run and a Quantile history gives NaN thresholds
+until the norm leaves its window. "skip" leaves such a call out: no gradient is scaled, no statistic
+moves, `found_nonfinite` is set and an optimizer hook skips the step; "raise" raises before any change.
+Both read one flag per call on the host (on a GPU, a sync): the host counts the calls that enter the
+statistics. Where clipping follows `scaler.unscale_()` (torch.amp), NaN and inf steps are routine: use
+"skip" there.
+
+Per-parameter state (ClipGradByQuantile's per-parameter histories, ClipGradByNormEMA's thresholds) is kept
+per parameter object: pass the parameters themselves. Where a call names new objects every time (pairs
+built from p.detach(), functional training), see _ParamRows: rows go by position, and the clip warns.
 """
 
 from __future__ import annotations
@@ -32,13 +45,14 @@ from __future__ import annotations
 import bisect
 import copy
 import math
+import warnings
 
 import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torchclip import _ops, _shards
-from torchclip.clip import ClipGradBase, _tensor_norms, add_to_count
+from torchclip.clip import ClipGradBase, _policy, _tensor_norms, add_to_count
 
 __all__ = ["ClipGradByNormEMA", "ClipGradByQuantile", "ClipGradByUnitwiseNorm", "ClipGradByZScore", "SkipStepOnSpike"]
 
@@ -128,10 +142,106 @@ def _check_state(name: str, state: dict, expected: dict[str, tuple]) -> None:
             raise ValueError(f"{name}.load_state_dict: {key} must be a tensor of shape {shape}, got {what}")
 
 
+class _ParamRows:
+    """Which row of a clip's per-parameter state belongs to which parameter.
+
+    A row is keyed by the object a call names for the parameter (the parameter-list form's items, the
+    pairs' first items), held weakly: tensors compare elementwise, and a dead object's row is handed to
+    the next new one, its state started anew, so the state does not grow with objects that come and go.
+    Restored rows (load_state_dict, pickling: weak references do not pickle, and a parameter pickled
+    alongside is a new object) are taken again in the order parameters are next met, so a clip restored
+    before the same training loop lines up with its parameters.
+
+    Where a call names only new objects and none of the last call's is alive (pairs built from p.detach(),
+    functional training that makes new tensors each step: nothing identifies a parameter across calls),
+    the rows go by position to the last call's while the count and shapes match, and start anew where
+    they differ; the clip warns once, as it then relies on the order of the list.
+    """
+
+    def __init__(self, count: int = 0):
+        self.owners = WeakIdKeyDictionary()  # object -> row
+        self.count = count  # rows in the clip's state
+        self.claimed = 0  # rows from here to count were restored and wait for owners, in first-met order
+        self.shapes: list[tuple | None] = [None] * count  # each row's parameter shape, for matching by position
+        self.last: list[int] | None = None  # the last call's rows, in its order
+        self.warned = False
+
+    def rows_of(self, params: list[Tensor], who: str) -> tuple[list[int], list[int]]:
+        """(each parameter's row, the rows handed on from dead objects, whose state must start anew)."""
+        rows = [self.owners.get(p) for p in params]
+        reclaimed = []
+        if None in rows:
+            rows, reclaimed = self._claim(params, rows, who)
+        self.last = rows
+        return rows, reclaimed
+
+    def _claim(self, params: list[Tensor], rows: list, who: str) -> tuple[list[int], list[int]]:
+        owned = set(self.owners.values())
+        if self.claimed == self.count and self.last is not None and all(r is None for r in rows) \
+                and owned.isdisjoint(self.last):
+            if not self.warned:
+                self.warned = True
+                warnings.warn(f"{who}: every parameter this call names is a new object and none of the last "
+                              f"call's is alive (e.g. pairs built from p.detach(), or functional training), so no "
+                              f"parameter can be told across calls: per-parameter state goes by position in the "
+                              f"list while the count and shapes match the last call's, and starts anew where they "
+                              f"differ. Name the parameters themselves (model.parameters(), or [(p, p.grad) for p "
+                              f"in model.parameters()]) to keep it per parameter", stacklevel=6)
+            if len(params) == len(self.last) and all(
+                    tuple(p.shape) == self.shapes[r] for p, r in zip(params, self.last)):
+                for p, r in zip(params, self.last):
+                    self.owners[p] = r
+                return list(self.last), []
+        free = [r for r in range(self.claimed - 1, -1, -1) if r not in owned]  # dead objects' rows, lowest last
+        reclaimed = []
+        for i, p in enumerate(params):
+            if rows[i] is None:  # (looked up again: an object listed twice takes its first listing's row)
+                rows[i] = self.owners.get(p)
+            if rows[i] is None:
+                rows[i] = self._new_row(p, free, reclaimed)
+        return rows, reclaimed
+
+    def _new_row(self, param: Tensor, free: list[int], reclaimed: list[int]) -> int:
+        """A row for a parameter met for the first time: the next restored row, else a dead object's, else a
+        new one."""
+        if self.claimed < self.count:
+            row = self.claimed
+            self.claimed += 1
+        elif free:
+            row = free.pop()
+            reclaimed.append(row)
+        else:
+            row = self.count
+            self.count, self.claimed = self.count + 1, self.count + 1
+            self.shapes.append(None)
+        self.owners[param], self.shapes[row] = row, tuple(param.shape)
+        return row
+
+    def __getstate__(self) -> dict:
+        """The rows without their owners: a copy takes them again in the order parameters are next met."""
+        return {"count": self.count, "shapes": self.shapes, "warned": self.warned}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["count"])
+        self.shapes, self.warned = list(state["shapes"]), state["warned"]
+
+    def __deepcopy__(self, memo: dict):
+        """A deepcopy's rows go to the copies of the parameters this deepcopy copied before the clip (its memo:
+        a model copied with its optimizer, or a torchclip.optim optimizer alone), else stay with the same
+        parameters, as a clip copied alone is used on them."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update(copy.deepcopy({k: v for k, v in vars(self).items() if k != "owners"}, memo))
+        copied.owners = WeakIdKeyDictionary()
+        for param, row in self.owners.items():
+            copied.owners[memo.get(id(param), param)] = row
+        return copied
+
+
 class _StatefulClip(ClipGradBase):
     """What the adaptive clips share: the Python walk (their rules need the gradient list; ZScore and the
-    global Quantile take the C++ walk on CPU parameters), and state tensors that follow the gradients to
-    their device."""
+    global Quantile take the C++ walk on CPU parameters), state tensors that follow the gradients to
+    their device, the nonfinite policy and per-parameter rows."""
 
     def _clip_parameters(self, params) -> bool:
         return False  # the Python walk: ClipGradBase.__call__ then calls _clip_pairs
@@ -167,54 +277,24 @@ class _StatefulClip(ClipGradBase):
         targets, norms = _targets_and_norms(grads)
         return targets, norms, torch.linalg.vector_norm(norms, 2.0)
 
-    def _rows_of(self, params: list[Tensor]) -> list[int]:
-        """Each parameter's row in per-parameter state, numbered in the order parameters are first met
-        (by identity: tensors compare elementwise). Rows restored by load_state_dict are taken in that
-        order too, so a clip restored before the same training loop lines up with its parameters."""
-        rows = []
-        for p in params:
-            row = self._rows.get(p)
-            if row is None:
-                row = self._rows[p] = self._rows_taken
-                self._rows_taken += 1
-            rows.append(row)
+    def _admits(self, norms: Tensor) -> bool:
+        """Records found_nonfinite / nonfinite_steps for this call's norms and says whether they may enter
+        the statistics and clip: always under "propagate"; under "skip" not where one is NaN or inf (the
+        call then changes nothing); under "raise" such a call raises, before anything changes."""
+        refused = self.nonfinite != "propagate" and not bool(torch.isfinite(norms).all())  # a sync on a GPU
+        if refused and self.nonfinite == "raise":
+            bad = int(torch.nonzero(~torch.isfinite(norms.reshape(-1)))[0])
+            what = "the global norm" if norms.dim() == 0 else f"the norm of gradient {bad} (of {norms.numel()})"
+            raise RuntimeError(f"{type(self).__name__}: {what} is {norms.reshape(-1)[bad].item()}, so it cannot be "
+                               f"clipped (nonfinite='raise'); no gradient or statistic was changed")
+        self._record(norms)
+        return not refused
+
+    def _rows_of(self, params: list[Tensor], device: torch.device) -> list[int]:
+        """Each parameter's row in per-parameter state (see _ParamRows), the state made to fit them."""
+        rows, reclaimed = self._rows.rows_of(params, type(self).__name__)
+        self._fit_rows(self._rows.count, reclaimed, device)  # the clip's own: grow to count rows, clear reclaimed
         return rows
-
-    def _forget_rows(self) -> None:
-        self._rows = WeakIdKeyDictionary()
-        self._rows_taken = 0
-
-    def __getstate__(self) -> dict:
-        """Pickling keeps the per-parameter rows but not which parameter owns each (a parameter pickled
-        alongside is a new object, and weak keys do not pickle): as after load_state_dict, the rows are
-        taken again in the order parameters are next met, so the copy continues bit for bit where they
-        are met in the order they first were."""
-        state = dict(self.__dict__)
-        if "_rows" in state:
-            state["_rows"], state["_rows_taken"] = None, 0
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        if "_rows" in state:
-            self._forget_rows()
-
-    def __deepcopy__(self, memo: dict):
-        """A deepcopy's rows go to the copies of the parameters this deepcopy copied before the clip (its memo:
-        a model copied with its optimizer, or a torchclip.optim optimizer alone), else stay with the same
-        parameters, as a clip copied alone is used on them."""
-        copied = type(self).__new__(type(self))
-        memo[id(self)] = copied
-        for name, value in self.__dict__.items():
-            if name == "_rows":
-                rows = WeakIdKeyDictionary()
-                for param, row in value.items():
-                    rows[memo.get(id(param), param)] = row
-                value = rows
-            else:
-                value = copy.deepcopy(value, memo)
-            copied.__dict__[name] = value
-        return copied
 
 
 class ClipGradByZScore(_StatefulClip):
@@ -238,12 +318,20 @@ class ClipGradByZScore(_StatefulClip):
     `last_global_norm` (float64, before clipping), `last_norms` (per tensor) and `last_clip_coef` are
     the last call's, and `mean`, `var` the statistics, all tensors on the gradients' device. A call
     with no gradient to clip changes nothing (the reference records a norm of 0 there).
+
+    `nonfinite`, for a NaN or inf global norm: "propagate" (the default) is zclip's rule, so that the
+    clip is the reference step for step (tests/test_adaptive.py) and reads nothing back from a GPU, but
+    one such norm makes mean and var NaN for the rest of the run: no later spike is found again, and
+    with max_grad_norm=None nothing is clipped again. "skip" leaves the call out: no gradient is scaled,
+    mean, var and the step count stay as they were, `found_nonfinite` is set and an optimizer hook skips
+    the step. "raise" raises a RuntimeError before any change. Choose "skip" where NaN steps are routine
+    (clipping after `scaler.unscale_()`); it reads one flag per call on the host (on a GPU, a sync).
     """
 
     def __init__(self, alpha: float = 0.97, z_thresh: float = 2.5, max_grad_norm: float | None = 1.0,
                  eps: float = 1e-6, warmup_steps: int = 25, mode: str = "zscore",
                  clip_option: str = "adaptive_scaling", clip_factor: float = 1.0,
-                 skip_update_on_spike: bool = False, *, process_group=None):
+                 skip_update_on_spike: bool = False, *, nonfinite: str = "propagate", process_group=None):
         self.alpha = _check_fraction("alpha", alpha, low_open=True, high_open=True)
         self.z_thresh = _check_positive("z_thresh", z_thresh)
         self.max_grad_norm = None if max_grad_norm is None else _check_positive("max_grad_norm", max_grad_norm)
@@ -258,6 +346,7 @@ class ClipGradByZScore(_StatefulClip):
         if not isinstance(skip_update_on_spike, bool):
             raise TypeError(f"skip_update_on_spike must be a bool, got {skip_update_on_spike!r}")
         self.skip_update_on_spike = skip_update_on_spike
+        self.nonfinite = _policy(nonfinite)
         self.process_group = process_group
         self.steps = 0  # calls that clipped gradients, counted on the host
         self.warmup_norms = torch.zeros(self.warmup_steps, dtype=torch.float64)
@@ -276,7 +365,7 @@ class ClipGradByZScore(_StatefulClip):
         if found is None:
             return False
         coefficient = self._observe(*found)
-        if coefficient.item() != 1.0:  # (in host memory: the read waits for nothing)
+        if coefficient is not None and coefficient.item() != 1.0:  # (in host memory: the read waits for nothing)
             _scale([p.grad for p in params if p.grad is not None and self._wants(p)], coefficient)
         return True
 
@@ -284,12 +373,18 @@ class ClipGradByZScore(_StatefulClip):
         if not pairs and self.process_group is None:
             return
         grads, norms, norm = self._global_norm_of(pairs)
-        _scale(grads, self._observe(norms, norm))
+        coefficient = self._observe(norms, norm)
+        if coefficient is not None:
+            _scale(grads, coefficient)
 
-    def _observe(self, norms: Tensor | None, norm: Tensor) -> Tensor:
+    def _observe(self, norms: Tensor | None, norm: Tensor) -> Tensor | None:
         """One call's rule on its norms (per tensor, or None for hand shards, and global): records them,
-        moves the statistics on, and returns the clip coefficient."""
+        moves the statistics on, and returns the clip coefficient; None for a call that nonfinite refuses."""
         device = norm.device
+        if not self._admits(norm):  # nothing moves, nothing is scaled
+            self.last_norms, self.last_global_norm = norms, norm
+            self.last_clip_coef = torch.ones((), dtype=torch.float64, device=device)
+            return None
         self.warmup_norms = self._on(self.warmup_norms, device)
         self.mean, self.var = self._on(self.mean, device), self._on(self.var, device)
         if self.steps < self.warmup_steps:
@@ -305,7 +400,6 @@ class ClipGradByZScore(_StatefulClip):
             coefficient = self._after_warmup(norm)
         self.steps += 1
         self.last_norms, self.last_global_norm, self.last_clip_coef = norms, norm, coefficient
-        self._record(norm)
         return coefficient
 
     def _clip(self, grads):  # ClipGradBase's route always comes through _clip_pairs
@@ -412,25 +506,40 @@ class ClipGradByQuantile(_StatefulClip):
 
     The histories are fixed-size float64 rings on the gradients' device (quantiles do not depend on
     order). `last_norms` holds the last call's norms (per tensor, or the global one).
+
+    Per-parameter histories are kept per parameter object (see _ParamRows): name the parameters
+    themselves, `clip(model.parameters())` or `[(p, p.grad) for p in model.parameters()]`. Objects that
+    are new at every call (pairs built from p.detach(), functional training) cannot be told apart
+    across calls: their histories go by position in the list while its length and shapes match the last
+    call's, and start anew where they differ; the clip warns once. A dead parameter's history is reused.
+
+    `nonfinite`, for a NaN or inf norm (the global one, or any gradient's): "propagate" (the default) is
+    autoclip's rule, so that the clip is the reference step for step (tests/test_adaptive.py) and reads
+    nothing back from a GPU, but the norm enters its history, whose quantile is then NaN: the gradients
+    that history clips turn NaN for the next `history_length` calls. "skip" leaves the call out: no
+    gradient is scaled, no history records a norm, `found_nonfinite` is set and an optimizer hook skips
+    the step. "raise" raises a RuntimeError before any change. Choose "skip" where NaN steps are routine
+    (clipping after `scaler.unscale_()`); it reads one flag per call on the host (on a GPU, a sync).
     """
 
     def __init__(self, quantile: float = 0.9, history_length: int = 1000, global_threshold: bool = False, *,
-                 process_group=None):
+                 nonfinite: str = "propagate", process_group=None):
         self.quantile = _check_fraction("quantile", quantile, low_open=False, high_open=False)
         self.history_length = _check_count("history_length", history_length)
         if not isinstance(global_threshold, bool):
             raise TypeError(f"global_threshold must be a bool, got {global_threshold!r}")
         self.global_threshold = global_threshold
+        self.nonfinite = _policy(nonfinite)
         if process_group is not None and not global_threshold:
             raise ValueError("ClipGradByQuantile: process_group needs global_threshold=True (a per-parameter history "
                              "needs each parameter's whole gradient, which hand shards split across ranks)")
         self.process_group = process_group
-        # One row per history (one in global mode; per parameter, in the order first met, otherwise),
-        # NaN where nothing was recorded yet; counts[row] on the host: how many norms the row has seen.
+        # One row per history (one in global mode; per parameter, see _ParamRows, otherwise), NaN where
+        # nothing was recorded yet; counts[row] on the host: how many norms the row has seen.
         self.history = torch.full((1 if global_threshold else 0, history_length), math.nan, dtype=torch.float64)
         self.counts: list[int] = [0] * self.history.shape[0]
         self._window: _SortedWindow | None = None  # the global history, sorted, for the host rule
-        self._forget_rows()
+        self._rows = _ParamRows()
         self.last_norms: Tensor | None = None
 
     def _clip_parameters(self, params) -> bool:
@@ -440,13 +549,12 @@ class ClipGradByQuantile(_StatefulClip):
         if not self.global_threshold or self.process_group is not None or self.history.device.type != "cpu":
             return False
         threshold = self._host_threshold()
-        # No threshold: nothing clipped, even for a NaN or inf norm ("skip" writes nothing then).
-        found = self._walk_cpu(params, math.inf if threshold is None else threshold, _COEFFICIENT_EPS,
-                               "skip" if threshold is None else "propagate")
+        # "skip": the walk writes nothing for a NaN or inf norm, which only "propagate" scales by, after a first call.
+        walk_nonfinite = "propagate" if threshold is not None and self.nonfinite == "propagate" else "skip"
+        found = self._walk_cpu(params, math.inf if threshold is None else threshold, _COEFFICIENT_EPS, walk_nonfinite)
         if found is None:
             return False
-        norm = found[1]
-        self._record_global_on_host(norm.item(), norm)
+        self._observe_global_on_host(found[1])
         return True
 
     def _clip_pairs(self, pairs) -> None:
@@ -456,17 +564,18 @@ class ClipGradByQuantile(_StatefulClip):
             grads, _, norm = self._global_norm_of(pairs)
             if norm.device.type == "cpu":
                 return self._clip_global_on_host(grads, norm)
-            rows, observed = [0], norm.reshape(1)
+            observed = norm.reshape(1)
         else:
             grads, observed = _targets_and_norms([g for _, g in pairs])
-            rows = self._rows_of([p for p, _ in pairs])
+        self.last_norms = observed[0] if self.global_threshold else observed
+        if not self._admits(self.last_norms):
+            return
         device = observed.device
         self.history = self._on(self.history, device)
+        rows = [0] if self.global_threshold else self._rows_of([p for p, _ in pairs], device)
         thresholds = self._thresholds(rows, device)
         scale = _clip_coefficient(thresholds, observed)
         self._record_norms(rows, observed, device)
-        self.last_norms = observed[0] if self.global_threshold else observed
-        self._record(observed)
         _scale(grads, scale[0] if self.global_threshold else scale)
 
     def _clip(self, grads):  # ClipGradBase's route always comes through _clip_pairs
@@ -483,20 +592,21 @@ class ClipGradByQuantile(_StatefulClip):
         if threshold is not None:
             coefficient = _divide(threshold, value + _COEFFICIENT_EPS)
             coefficient = coefficient if not coefficient > 1.0 else 1.0  # torch.clamp's: NaN stays NaN
-        self._record_global_on_host(value, norm)
-        if coefficient != 1.0:
+        if self._observe_global_on_host(norm) and coefficient != 1.0:
             _scale(grads, torch.tensor(coefficient, dtype=torch.float64))
 
-    def _record_global_on_host(self, value: float, norm: Tensor) -> None:
-        """Adds the global norm (`value`, and as the 0-d `norm`) to the history, the sorted window and the
-        nonfinite counts."""
-        count = self.counts[0]
+    def _observe_global_on_host(self, norm: Tensor) -> bool:
+        """Adds the global norm (0-d, in host memory) to the history and the sorted window where nonfinite
+        admits it, and says whether it did."""
+        self.last_norms = norm
+        if not self._admits(norm):
+            return False
+        value, count = norm.item(), self.counts[0]
         slot = count % self.history_length
         self._host_window().replace(self.history[0, slot].item() if count >= self.history_length else None, value)
         self.history[0, slot] = value
         self.counts[0] += 1
-        self.last_norms = norm
-        self._record_found_on_host(not math.isfinite(value))
+        return True
 
     def _host_threshold(self) -> float | None:
         """The global rule's max_norm from the host window; None before any norm was recorded (the first
@@ -508,14 +618,19 @@ class ClipGradByQuantile(_StatefulClip):
             self._window = _SortedWindow(self.history[0, :min(self.counts[0], self.history_length)].tolist())
         return self._window
 
-    def _thresholds(self, rows: list[int], device) -> Tensor:
-        """quantile of each row's recorded norms; inf for a row with none."""
-        needed = max(rows) + 1
-        if needed > self.history.shape[0]:
-            grow = torch.full((needed - self.history.shape[0], self.history_length), math.nan,
+    def _fit_rows(self, count: int, reclaimed: list[int], device) -> None:
+        if count > self.history.shape[0]:
+            grow = torch.full((count - self.history.shape[0], self.history_length), math.nan,
                               dtype=torch.float64, device=device)
             self.history = torch.cat([self.history, grow])
             self.counts += [0] * grow.shape[0]
+        if reclaimed:
+            self.history.index_fill_(0, _to_device(reclaimed, device), math.nan)
+            for r in reclaimed:
+                self.counts[r] = 0
+
+    def _thresholds(self, rows: list[int], device) -> Tensor:
+        """quantile of each row's recorded norms; inf for a row with none."""
         filled = [min(self.counts[r], self.history_length) for r in rows]
         if all(f == filled[0] for f in filled):  # the usual case: every row has seen as many norms
             return self._quantiles(rows, filled[0], device)
@@ -551,7 +666,7 @@ class ClipGradByQuantile(_StatefulClip):
             self.counts[r] += 1
 
     def state_dict(self) -> dict[str, Tensor]:
-        """The histories (rows in the order parameters were first met) and their counts, as tensors."""
+        """The histories (a row per parameter, see _ParamRows) and their counts, as tensors."""
         return {"history": self.history.clone(), "counts": torch.tensor(self.counts, dtype=torch.int64)}
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
@@ -563,7 +678,7 @@ class ClipGradByQuantile(_StatefulClip):
         self.history = state["history"].to(self.history.device, torch.float64, copy=True)
         self.counts = [int(c) for c in state["counts"].tolist()]
         self._window = None
-        self._forget_rows()
+        self._rows = _ParamRows(rows)
 
     def __repr__(self):
         return (f"{type(self).__name__}(quantile={self.quantile}, history_length={self.history_length}, "
@@ -582,13 +697,27 @@ class ClipGradByNormEMA(_StatefulClip):
 
     Where the paper is silent: a tensor first met after warm-up is not clipped and starts its EMA at
     its own norm (gamma would otherwise stay +inf), and a zero gradient is left alone (h = 1, where
-    the formula gives 0/0); a NaN or inf norm leaves its threshold as it was. `last_norms` (before
-    clipping) and `last_clip_coef` (h, one per tensor after warm-up) are the last call's, `gammas` the
-    thresholds, all on the gradients' device.
+    the formula gives 0/0); a NaN or inf norm leaves its threshold as it was, and in warm-up, where an
+    inf norm makes h = 0, every threshold (min(gamma_i, 0) would hold them all at 0 for good).
+    `last_norms` (before clipping) and `last_clip_coef` (h, one per tensor after warm-up) are the last
+    call's, `gammas` the thresholds, all on the gradients' device.
+
+    Thresholds are kept per parameter object (see _ParamRows): name the parameters themselves,
+    `clip(model.parameters())` or `[(p, p.grad) for p in model.parameters()]`. Objects that are new at
+    every call (pairs built from p.detach(), functional training) cannot be told apart across calls:
+    their thresholds go by position in the list while its length and shapes match the last call's, and
+    start anew where they differ; the clip warns once. A dead parameter's threshold is reused.
+
+    `nonfinite`, for a NaN or inf norm of any gradient: "propagate" (the default, as for every adaptive
+    clip, and reading nothing back from a GPU) scales by it as torch does (the gradients turn NaN), the
+    step count moves on and the thresholds keep as above. "skip" leaves the call out: no gradient is
+    scaled, no threshold or step count moves, `found_nonfinite` is set and an optimizer hook skips the
+    step. "raise" raises a RuntimeError before any change. "skip" and "raise" read one flag per call on
+    the host (on a GPU, a sync).
     """
 
     def __init__(self, lambda_rel: float = 1.05, beta: float = 0.98, warmup_steps: int = 100,
-                 lambda_abs: float = 1.0):
+                 lambda_abs: float = 1.0, *, nonfinite: str = "propagate"):
         self.lambda_rel = _check_positive("lambda_rel", lambda_rel)
         self.beta = _check_fraction("beta", beta, low_open=False, high_open=True)
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int):
@@ -597,9 +726,10 @@ class ClipGradByNormEMA(_StatefulClip):
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps!r}")
         self.warmup_steps = warmup_steps
         self.lambda_abs = _check_positive("lambda_abs", lambda_abs)
+        self.nonfinite = _policy(nonfinite)
         self.steps = 0
-        self.gammas = torch.empty(0, dtype=torch.float64)  # one per parameter, in the order first met
-        self._forget_rows()
+        self.gammas = torch.empty(0, dtype=torch.float64)  # one per parameter, see _ParamRows
+        self._rows = _ParamRows()
         self.last_norms: Tensor | None = None
         self.last_clip_coef: Tensor | None = None
 
@@ -608,33 +738,43 @@ class ClipGradByNormEMA(_StatefulClip):
             return
         grads, norms = _targets_and_norms([g for _, g in pairs])
         device = norms.device
-        rows = self._rows_of([p for p, _ in pairs])
+        self.last_norms = norms
+        if not self._admits(norms):
+            self.last_clip_coef = torch.ones_like(norms)
+            return
         self.gammas = self._on(self.gammas, device)
-        if max(rows) >= self.gammas.shape[0]:
-            grow = torch.full((max(rows) + 1 - self.gammas.shape[0],), math.inf, dtype=torch.float64, device=device)
-            self.gammas = torch.cat([self.gammas, grow])
-        index = _to_device(rows, device)
+        index = _to_device(self._rows_of([p for p, _ in pairs], device), device)
         gamma = self.gammas.index_select(0, index)
         if self.steps < self.warmup_steps:
-            coefficient = torch.clamp(self.lambda_abs / torch.linalg.vector_norm(norms, 2.0), max=1.0)
+            global_norm = torch.linalg.vector_norm(norms, 2.0)
+            coefficient = torch.clamp(self.lambda_abs / global_norm, max=1.0)
             clipped = coefficient * norms
             new_gamma = torch.minimum(gamma, clipped)
+            # An inf global norm scales every gradient by 0: no threshold learns from that.
+            remembered = torch.isfinite(clipped) & torch.isfinite(global_norm)
         else:
             coefficient = torch.where(norms > 0, torch.clamp(self.lambda_rel * gamma / norms, max=1.0), 1.0)
             clipped = coefficient * norms
             new_gamma = torch.where(torch.isinf(gamma), norms, self.beta * gamma + (1 - self.beta) * clipped)
+            remembered = torch.isfinite(clipped)
         # A NaN or inf norm is scaled as torch scales it (the gradient turns NaN) but not remembered.
-        self.gammas.index_copy_(0, index, torch.where(torch.isfinite(clipped), new_gamma, gamma))
+        self.gammas.index_copy_(0, index, torch.where(remembered, new_gamma, gamma))
         self.steps += 1
-        self.last_norms, self.last_clip_coef = norms, coefficient
-        self._record(norms)
+        self.last_clip_coef = coefficient
         _scale(grads, coefficient)
+
+    def _fit_rows(self, count: int, reclaimed: list[int], device) -> None:
+        if count > self.gammas.shape[0]:
+            grow = torch.full((count - self.gammas.shape[0],), math.inf, dtype=torch.float64, device=device)
+            self.gammas = torch.cat([self.gammas, grow])
+        if reclaimed:
+            self.gammas.index_fill_(0, _to_device(reclaimed, device), math.inf)
 
     def _clip(self, grads):  # ClipGradBase's route always comes through _clip_pairs
         raise AssertionError("ClipGradByNormEMA clips through _clip_pairs")
 
     def state_dict(self) -> dict[str, Tensor]:
-        """The step count and the thresholds (in the order parameters were first met), as tensors."""
+        """The step count and the thresholds (one per parameter, see _ParamRows), as tensors."""
         return {"steps": torch.tensor(self.steps, dtype=torch.int64), "gammas": self.gammas.clone()}
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
@@ -643,7 +783,7 @@ class ClipGradByNormEMA(_StatefulClip):
         _check_state(type(self).__name__, state, {"steps": (), "gammas": (rows,)})
         self.steps = int(state["steps"])
         self.gammas = state["gammas"].to(self.gammas.device, torch.float64, copy=True)
-        self._forget_rows()
+        self._rows = _ParamRows(rows)
 
     def __repr__(self):
         return (f"{type(self).__name__}(lambda_rel={self.lambda_rel}, beta={self.beta}, "
@@ -662,15 +802,23 @@ class SkipStepOnSpike(_StatefulClip):
     directly, it only decides: `skip` holds the last decision (a 0-d bool tensor on the gradients'
     device) and `skips` the count. `clip`, if given, then runs on the same gradients (every call, so a
     stateful clip sees every norm).
+
+    `nonfinite`, for a NaN or inf norm, whose step is skipped in every mode: "propagate" (the default)
+    is OLMo-core's rule, and reads nothing back from a GPU, but the norm enters the window, whose mean
+    and std are then NaN: every step is skipped until it leaves, `window` calls later. "skip" keeps it
+    out of the window and the count, and `clip` is not called (the gradients stay as they are, its
+    statistics too); "raise" raises a RuntimeError before any change. "skip" and "raise" read one flag
+    per call on the host (on a GPU, a sync, also on a fused optimizer).
     """
 
     def __init__(self, clip: ClipGradBase | None = None, window: int = 128, sigma_factor: float = 6.0, *,
-                 process_group=None):
+                 nonfinite: str = "propagate", process_group=None):
         if clip is not None and not isinstance(clip, ClipGradBase):
             raise TypeError(f"clip must be a torchclip clip (e.g. ClipGradByGlobalNorm) or None, got {clip!r}")
         self.clip = clip
         self.window = _check_count("window", window)
         self.sigma_factor = _check_positive("sigma_factor", sigma_factor)
+        self.nonfinite = _policy(nonfinite)
         self.process_group = process_group
         self.history = torch.full((self.window,), math.nan, dtype=torch.float64)
         self.count = 0  # norms seen, on the host
@@ -683,6 +831,16 @@ class SkipStepOnSpike(_StatefulClip):
             self.skip = None
             return
         norm = self._global_norm_of(pairs)[2]
+        admitted = self._admits(norm)
+        # A norm that nonfinite keeps out of the window is skipped, as a NaN or inf norm in it would be.
+        skip = self._decide(norm) if admitted else torch.ones((), dtype=torch.bool, device=norm.device)
+        self.skip, self.last_global_norm = skip, norm
+        self.skips = add_to_count(self.skips, skip)
+        if admitted and self.clip is not None:
+            self.clip._clip_pairs([(p, g) for p, g in pairs if self.clip._wants(p)])
+
+    def _decide(self, norm: Tensor) -> Tensor:
+        """Whether to skip (0-d bool) against the earlier norms; the norm then enters the window."""
         self.history = self._on(self.history, norm.device)
         earlier = min(self.count, self.window)
         if self.count + 1 < max(2, self.window // 2):
@@ -694,11 +852,7 @@ class SkipStepOnSpike(_StatefulClip):
             skip = ~((norm - mean) <= self.sigma_factor * std)
         self.history[self.count % self.window] = norm
         self.count += 1
-        self.skip, self.last_global_norm = skip, norm
-        self.skips = add_to_count(self.skips, skip)
-        self._record(norm)
-        if self.clip is not None:
-            self.clip._clip_pairs([(p, g) for p, g in pairs if self.clip._wants(p)])
+        return skip
 
     def _step_refused(self) -> Tensor | None:
         return self.skip
@@ -732,9 +886,17 @@ class ClipGradByUnitwiseNorm(_StatefulClip):
     parameter with two full-size temporaries. Elsewhere (CUDA, DTensors, subclasses) the same rule runs
     as per-parameter torch ops, out of place where DTensor needs it (an in-place clamp of a partial
     reduction has no sharding strategy).
+
+    `nonfinite`, for a NaN or inf gradient: "propagate" (the default) is timm's rule and costs nothing:
+    the unit's gradient turns NaN, and as AGC keeps no state nothing else is spoiled (`found_nonfinite`
+    is not set: no whole-gradient norm is taken). "skip" and "raise" take each gradient's L2 norm first,
+    one more read of the gradients (and on a GPU one flag read on the host): where one is NaN or inf,
+    "skip" changes no gradient, sets `found_nonfinite` and an optimizer hook skips the step; "raise"
+    raises a RuntimeError before any change.
     """
 
-    def __init__(self, clip_factor: float = 0.01, eps: float = 1e-3, norm_type: float = 2.0):
+    def __init__(self, clip_factor: float = 0.01, eps: float = 1e-3, norm_type: float = 2.0, *,
+                 nonfinite: str = "propagate"):
         self.clip_factor = _check_positive("clip_factor", clip_factor)
         self.eps = _check_positive("eps", eps, allow_zero=True)
         if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
@@ -742,11 +904,14 @@ class ClipGradByUnitwiseNorm(_StatefulClip):
         if not float(norm_type) > 0:
             raise ValueError(f"norm_type must be > 0 (inf allowed), got {norm_type!r}")
         self.norm_type = float(norm_type)
+        self.nonfinite = _policy(nonfinite)
 
     def _clip_pairs(self, pairs) -> None:
         if not pairs:
             return
         params, grads = [p.detach() for p, _ in pairs], [g for _, g in pairs]
+        if self.nonfinite != "propagate" and not self._admits(_targets_and_norms(grads)[1]):
+            return
         if _ops.kernels_serve(grads, devices=("cpu",)) and _ops.kernels_serve(params, devices=("cpu",)):
             _ops.unitwise_clip_(grads, params, self.clip_factor, self.eps, self.norm_type)
             return

@@ -118,7 +118,7 @@ void in_list_order(at::TensorList tensors, const Split& split, const OnSpan& on_
 template <typename AtenScale>
 void apply_scales(at::TensorList tensors, const Split& split, const std::vector<double>& scales,
     const AtenScale& aten_scale) {
-  if (tensors_may_overlap(tensors)) {
+  if (may_overlap(split.spans.data(), split.spans.size(), tensors, split.aten_path)) {
     in_list_order(tensors, split,
         [&](int64_t k) { cpu_kernels().scale(&split.spans[k], 1, &scales[split.span_source[k]]); },
         [&](int64_t i) {
@@ -171,7 +171,7 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_split(at::TensorList tensor
 void multi_tensor_clamp_split(at::TensorList tensors, const Split& split, double min, double max) {
   constexpr const char* op = "torchclip.multi_tensor_clamp_";
   check_clampable(tensors, split.aten_path, op);
-  if (tensors_may_overlap(tensors)) {
+  if (may_overlap(split.spans.data(), split.spans.size(), tensors, split.aten_path)) {
     in_list_order(tensors, split, [&](int64_t k) { cpu_kernels().clamp(&split.spans[k], 1, min, max); },
         [&](int64_t i) { tensors[i].clamp_min_(min).clamp_max_(max); });
     return;
@@ -221,7 +221,7 @@ at::Tensor clip_by_tensor_norm_split(at::TensorList tensors, const Split& split,
   if (any_nonfinite && policy == NonFinite::Skip) {
     return float64_vector(norms);
   }
-  if (tensors_may_overlap(tensors)) {
+  if (may_overlap(split.spans.data(), split.spans.size(), tensors, split.aten_path)) {
     // Each tensor clipped by its norm as the ones before it left it, as a loop over the list does.
     std::vector<double> seen(norms.size());
     in_list_order(tensors, split,

@@ -179,7 +179,7 @@ void launch_over(at::TensorList tensors, const std::vector<DeviceSpan>& spans, c
   if (spans.empty()) {
     return;
   }
-  if (tensors_may_overlap(tensors)) {
+  if (may_overlap(spans.data(), spans.size(), tensors, {})) {  // (ATen's ops run in turn after the launch)
     for (const DeviceSpan& span : spans) {
       launch(&span, int64_t{1});
     }
