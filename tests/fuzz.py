@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from testing import DTYPES, NORM_RTOL, reference_norm
+from testing import DTYPES, NORM_RTOL, params_with, reference_norm
 
 import torchclip
 
@@ -62,15 +62,6 @@ def tensors(draw, allow_specials=True):
         t = storage.view(shape)
     assert t.shape == shape and t.numel() == n
     return t
-
-
-def params_with(grads):
-    params = []
-    for g in grads:
-        p = torch.nn.Parameter(torch.zeros(g.shape, dtype=g.dtype))
-        p.grad = g
-        params.append(p)
-    return params
 
 
 def robust_reference_norm(grads, norm_type) -> float:

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import torch
-from testing import CLIP_RTOL
+from testing import CLIP_RTOL, params_with
 
 import torchclip
 
@@ -23,15 +23,6 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-def parameters_with_grads(grads):
-    params = []
-    for g in grads:
-        p = torch.nn.Parameter(torch.zeros(g.shape, dtype=g.dtype))
-        p.grad = g
-        params.append(p)
-    return params
-
-
 def shared_gradient_lists(kind):
     """Two copies of one list of parameters whose gradients share memory, built the same way."""
     generator = torch.Generator().manual_seed(0)
@@ -40,14 +31,14 @@ def shared_gradient_lists(kind):
     for _ in range(2):
         data = buffer.clone()
         if kind == "same tensor twice":
-            p = parameters_with_grads([data[:LARGE]])[0]
+            p = params_with([data[:LARGE]])[0]
             copies.append([p, p])
         elif kind == "views overlapping by all but 64":
-            copies.append(parameters_with_grads([data[:LARGE], data[64:LARGE + 64]]))
+            copies.append(params_with([data[:LARGE], data[64:LARGE + 64]]))
         elif kind == "a view inside another":
-            copies.append(parameters_with_grads([data[: 2 * LARGE], data[LARGE // 2: LARGE // 2 + 1000]]))
+            copies.append(params_with([data[: 2 * LARGE], data[LARGE // 2: LARGE // 2 + 1000]]))
         else:  # adjacent views of one buffer (DDP buckets, flat parameters): no element shared
-            copies.append(parameters_with_grads([data[:LARGE], data[LARGE: 2 * LARGE]]))
+            copies.append(params_with([data[:LARGE], data[LARGE: 2 * LARGE]]))
     return copies
 
 
@@ -107,7 +98,7 @@ def test_the_same_small_gradient_many_times_in_a_long_list(two_threads, cpu_capa
     """Thousands of tensors (the walk's own threads and the kernels' chunks) with one repeated among them."""
     generator = torch.Generator().manual_seed(1)
     grads = [torch.randn(100, generator=generator) for _ in range(3000)]
-    ours, theirs = parameters_with_grads([g.clone() for g in grads]), parameters_with_grads([g.clone() for g in grads])
+    ours, theirs = params_with([g.clone() for g in grads]), params_with([g.clone() for g in grads])
     ours = ours + [ours[7]] * 5 + ours
     theirs = theirs + [theirs[7]] * 5 + theirs
     torch.testing.assert_close(torchclip.clip_grad_norm_(ours, 1.0), torch.nn.utils.clip_grad_norm_(theirs, 1.0))
@@ -189,8 +180,8 @@ def test_a_need_clip_property_that_changes_the_list_does_not_crash():
 
 
 def test_a_need_clip_property_that_replaces_items_is_read_as_the_list_then_is(cpu_capability):
-    params = parameters_with_grads([torch.full((10,), 3.0) for _ in range(4)])
-    replacement = parameters_with_grads([torch.full((10,), 4.0)])[0]
+    params = params_with([torch.full((10,), 3.0) for _ in range(4)])
+    replacement = params_with([torch.full((10,), 4.0)])[0]
     calls = []
 
     def need_clip(self):
