@@ -106,6 +106,49 @@ def test_the_same_small_gradient_many_times_in_a_long_list(two_threads, cpu_capa
         torch.testing.assert_close(p.grad, q.grad, rtol=CLIP_RTOL[torch.float32], atol=0)
 
 
+@pytest.mark.parametrize("shared", ["none", "the same elements", "all but 64 elements"])
+def test_views_listed_out_of_address_order_with_one_pair_sharing_memory(shared, two_threads, cpu_capability):
+    """The overlap check merges runs of ranges in address order: here ~100 runs, the shared pair far apart."""
+    generator = torch.Generator().manual_seed(2)
+    count, size = 200, 5000
+    buffer = torch.randn(count * size + 64, generator=generator) * 0.01
+    order = torch.randperm(count, generator=generator).tolist()
+    copies = []
+    for _ in range(2):
+        data = buffer.clone()
+        views = [data[i * size: (i + 1) * size] for i in order]
+        if shared != "none":
+            start = order[0] * size + (0 if shared == "the same elements" else 64)
+            views.insert(count // 2, data[start: start + size])  # where the second thread starts
+        copies.append(params_with(views))
+    ours, theirs = copies
+    torch.testing.assert_close(torchclip.clip_grad_norm_(ours, 0.5), torch.nn.utils.clip_grad_norm_(theirs, 0.5),
+                               rtol=CLIP_RTOL[torch.float32], atol=0)
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p.grad, q.grad, rtol=CLIP_RTOL[torch.float32], atol=0)
+
+
+def test_a_list_found_disjoint_then_changed_to_share_memory_is_checked_again(two_threads, cpu_capability):
+    """The check keeps its last disjoint verdict for a list that comes again range for range: one moved
+    gradient must not hide behind it."""
+    generator = torch.Generator().manual_seed(3)
+    count, size = 200, 5000
+    buffer = torch.randn(count * size, generator=generator) * 0.01
+    order = torch.randperm(count, generator=generator).tolist()
+    copies = []
+    for _ in range(2):
+        data = buffer.clone()
+        copies.append((data, params_with([data[i * size: (i + 1) * size] for i in order])))
+    for (data, params), clip in zip(copies, [torchclip.clip_grad_value_, torch.nn.utils.clip_grad_value_]):
+        clip(params, 1.0)  # nothing clipped; the list found disjoint
+        params[count // 2].grad = data[order[0] * size + 64: order[0] * size + 64 + size]  # the first one, moved
+    ours, theirs = copies[0][1], copies[1][1]
+    torch.testing.assert_close(torchclip.clip_grad_norm_(ours, 0.5), torch.nn.utils.clip_grad_norm_(theirs, 0.5),
+                               rtol=CLIP_RTOL[torch.float32], atol=0)
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p.grad, q.grad, rtol=CLIP_RTOL[torch.float32], atol=0)
+
+
 # ---- fork ------------------------------------------------------------------------------------------
 
 

@@ -171,20 +171,36 @@ cudaStream_t current_stream() {
   return c10::cuda::getCurrentCUDAStream().stream();
 }
 
-// Runs launch(spans, count) over `spans` in one launch or, when two listed tensors may share memory, one
-// span per launch in list order: the blocks of one launch run concurrently and would race on shared
-// elements, where torch scales (clamps) each listed tensor in turn.
-template <typename Launch>
-void launch_over(at::TensorList tensors, const std::vector<DeviceSpan>& spans, const Launch& launch) {
-  if (spans.empty()) {
+// Runs an in-place op over a split list: launch(spans, count) over the kernels' spans in one launch,
+// then on_aten(i) for each tensor ATen serves; or, when two listed tensors may share memory, one tensor
+// at a time in list order, as torch's loops (and the CPU ops) take them: the blocks of one launch run
+// concurrently and would race on shared elements, and products taken in another order round otherwise.
+template <typename Launch, typename OnAten>
+void apply_in_place(at::TensorList tensors, const std::vector<DeviceSpan>& spans,
+    const std::vector<int64_t>& aten_path, const Launch& launch, const OnAten& on_aten) {
+  if (!may_overlap(spans.data(), spans.size(), tensors, aten_path)) {
+    if (!spans.empty()) {
+      launch(spans.data(), static_cast<int64_t>(spans.size()));
+    }
+    for (int64_t i : aten_path) {
+      on_aten(i);
+    }
     return;
   }
-  if (may_overlap(spans.data(), spans.size(), tensors, {})) {  // (ATen's ops run in turn after the launch)
-    for (const DeviceSpan& span : spans) {
-      launch(&span, int64_t{1});
+  std::vector<const DeviceSpan*> span_of(tensors.size(), nullptr);
+  for (const DeviceSpan& span : spans) {
+    span_of[span.index] = &span;
+  }
+  std::vector<bool> on_aten_path(tensors.size(), false);
+  for (int64_t i : aten_path) {
+    on_aten_path[i] = true;
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (span_of[i] != nullptr) {
+      launch(span_of[i], int64_t{1});
+    } else if (on_aten_path[i]) {
+      on_aten(static_cast<int64_t>(i));
     }
-  } else {
-    launch(spans.data(), static_cast<int64_t>(spans.size()));
   }
 }
 
@@ -242,14 +258,13 @@ void multi_tensor_scale_cuda(at::TensorList tensors, const at::Tensor& scale) {
   const at::Tensor factors = scale.is_cpu() && scale.dim() == 0
       ? at::full({}, scale.item<double>(), float64_on(device))
       : scale.to(device, at::kDouble).contiguous();
-  launch_over(tensors, spans, [&](const DeviceSpan* some, int64_t count) {
-    cuda::scale(some, count, factors.data_ptr<double>(), scale.dim() == 0 ? 0 : 1, current_stream());
-  });
   // The CPU op skips ATen's multiply when the factor is exactly 1; that test would need the value on
   // the host, and x * 1 == x for every x, so here it always multiplies.
-  for (int64_t i : split.aten_path) {
-    tensors[i].mul_(scale.dim() == 0 ? scale : scale[i]);
-  }
+  apply_in_place(tensors, spans, split.aten_path,
+      [&](const DeviceSpan* some, int64_t count) {
+        cuda::scale(some, count, factors.data_ptr<double>(), scale.dim() == 0 ? 0 : 1, current_stream());
+      },
+      [&](int64_t i) { tensors[i].mul_(scale.dim() == 0 ? scale : scale[i]); });
 }
 
 constexpr const char* kClampOp = "torchclip.multi_tensor_clamp_";
@@ -257,12 +272,9 @@ constexpr const char* kClampOp = "torchclip.multi_tensor_clamp_";
 void multi_tensor_clamp_on(at::TensorList tensors, const DeviceSplit& split, double min, double max) {
   const c10::cuda::CUDAGuard guard(split.device);
   check_clampable(tensors, split.aten_path, kClampOp);
-  launch_over(tensors, split.spans, [&](const DeviceSpan* some, int64_t count) {
-    cuda::clamp(some, count, min, max, current_stream());
-  });
-  for (int64_t i : split.aten_path) {
-    tensors[i].clamp_min_(min).clamp_max_(max);
-  }
+  apply_in_place(tensors, split.spans, split.aten_path,
+      [&](const DeviceSpan* some, int64_t count) { cuda::clamp(some, count, min, max, current_stream()); },
+      [&](int64_t i) { tensors[i].clamp_min_(min).clamp_max_(max); });
 }
 
 void multi_tensor_clamp_cuda(at::TensorList tensors, double min, double max) {
@@ -289,12 +301,11 @@ at::Tensor clip_grad_norm_on(at::TensorList grads, const DeviceSplit& split, dou
   if (error_if_nonfinite || policy == NonFinite::Raise) {
     check_finite_total(total.item<double>(), norm_type, true);  // the check needs the value: a sync, as torch's
   }
-  launch_over(grads, split.spans, [&](const DeviceSpan* some, int64_t count) {
-    cuda::scale(some, count, coefficient.data_ptr<double>(), 0, stream);
-  });
-  for (int64_t i : split.aten_path) {
-    aten_scale(grads[i], coefficient);
-  }
+  apply_in_place(grads, split.spans, split.aten_path,
+      [&](const DeviceSpan* some, int64_t count) {
+        cuda::scale(some, count, coefficient.data_ptr<double>(), 0, stream);
+      },
+      [&](int64_t i) { aten_scale(grads[i], coefficient); });
   if (stats != nullptr) {
     *stats = {norms, coefficient};
   }
@@ -332,12 +343,35 @@ at::Tensor clip_by_tensor_norm_on(at::TensorList tensors, const DeviceSplit& spl
   if (policy == NonFinite::Raise) {
     TORCH_CHECK(any_nonfinite.item<int32_t>() == 0, op, kTensorNormNonFinite);  // a sync, for the check
   }
-  launch_over(tensors, split.spans, [&](const DeviceSpan* some, int64_t count) {
-    cuda::scale(some, count, scales.data_ptr<double>(), 1, stream);
-  });
-  for (int64_t i : split.aten_path) {
-    aten_scale(tensors[i], scales.select(0, i));
+  if (may_overlap(split.spans.data(), split.spans.size(), tensors, split.aten_path)) {
+    // Each tensor clipped by its norm as the ones before it left it, as a loop over the list does (and
+    // the CPU op): a launch per tensor, for lists whose tensors share memory only. Under "skip", a
+    // non-finite norm among the first ones leaves every tensor as it was.
+    const at::Tensor skipped = policy == NonFinite::Skip
+        ? any_nonfinite.ne(0)
+        : at::zeros({}, float64_on(split.device).dtype(at::kBool));
+    const at::Tensor one_nonfinite = at::empty_like(any_nonfinite);
+    at::Tensor seen = at::empty({norms.numel()}, float64_on(split.device));
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const at::TensorList one = tensors.slice(i, 1);
+      const DeviceSplit one_split = split_tensors(one, op, split.device);
+      const at::Tensor norm = tensor_norms(one, one_split, 2.0, op, stream);
+      seen.narrow(0, static_cast<int64_t>(i), 1).copy_(norm);
+      at::Tensor scale = at::empty({1}, float64_on(split.device));
+      cuda::tensor_clip_scales(norm.data_ptr<double>(), 1, max_norm, false, scale.data_ptr<double>(),
+          one_nonfinite.data_ptr<int32_t>(), stream);
+      scale = at::where(skipped, at::ones_like(scale), scale);
+      if (!one_split.spans.empty()) {
+        cuda::scale(one_split.spans.data(), 1, scale.data_ptr<double>(), 0, stream);
+      } else {
+        aten_scale(one[0], scale.select(0, 0));
+      }
+    }
+    return seen;
   }
+  apply_in_place(tensors, split.spans, split.aten_path,
+      [&](const DeviceSpan* some, int64_t count) { cuda::scale(some, count, scales.data_ptr<double>(), 1, stream); },
+      [&](int64_t i) { aten_scale(tensors[i], scales.select(0, i)); });
   return norms;
 }
 
