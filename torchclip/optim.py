@@ -231,15 +231,19 @@ def _fold_into_step(optimizer, clip: ClipGradByGlobalNorm, params) -> tuple[Tens
     return grad_scale.to(torch.float32), found_inf
 
 
-_STEP_ATTRIBUTES = ("grad_scale", "found_inf", "_torchclip_folded")
+# What a step reads from the instance: torch's fused steps read grad_scale and found_inf (the attributes
+# GradScaler.step sets); torchclip's Adam / AdamW read the third (with_grad_clip).
+_STEP_ATTRIBUTES = ("grad_scale", "found_inf", "_torchclip_read_only_step")
 
 
-def _step_with(optimizer, step, grad_scale, found_inf, folded=False):
-    """step() with optimizer.grad_scale / found_inf set as given, then as they were (GradScaler deletes
-    its own after the step). `folded`: grad_scale is a folded clip's, so a step that leaves the
-    gradients unclipped may run (torchclip.optim.Adam / AdamW's read-only step)."""
+def _fused_step(optimizer, step, *, grad_scale, found_inf, read_only=False):
+    """The one place a step is handed a grad_scale and found_inf: torch's fused optimizers take them only
+    from the instance, so they are set for the call and then put back as they were (GradScaler deletes
+    its own after the step). Going through the instance's step keeps its hooks and LR-scheduler wrappers.
+    read_only: grad_scale is a folded clip's, so torchclip's Adam / AdamW may take their read-only step,
+    which leaves the gradients unclipped."""
     saved = {name: optimizer.__dict__[name] for name in _STEP_ATTRIBUTES if name in optimizer.__dict__}
-    optimizer.grad_scale, optimizer.found_inf, optimizer._torchclip_folded = grad_scale, found_inf, folded
+    optimizer.grad_scale, optimizer.found_inf, optimizer._torchclip_read_only_step = grad_scale, found_inf, read_only
     try:
         return step()
     finally:
@@ -248,6 +252,28 @@ def _step_with(optimizer, step, grad_scale, found_inf, folded=False):
                 setattr(optimizer, name, saved[name])
             else:
                 delattr(optimizer, name)
+
+
+class _ClosureEvaluatedFirst:
+    """The closure of step(closure) under a clip. The closure makes the gradients, so the clip comes after
+    it and before the update (Lightning always steps this way): its first evaluation runs when this is
+    made, so that a "skip" clip can still refuse the step, and the step gets that evaluation back when it
+    calls the closure. A later evaluation (LBFGS re-evaluates) is clipped as it comes, by `clip_again`
+    (too late to skip: the step is under way)."""
+
+    def __init__(self, closure, clip_again):
+        self._closure, self._clip_again = closure, clip_again
+        with torch.enable_grad():  # as torch's optimizers call a closure
+            self.loss = closure()
+        self._evaluations = 0
+
+    def __call__(self):
+        self._evaluations += 1
+        if self._evaluations == 1:
+            return self.loss
+        loss = self._closure()
+        self._clip_again()
+        return loss
 
 
 class _Attachment:
@@ -280,33 +306,7 @@ class _Attachment:
 
         @functools.wraps(original_step)
         def step(optimizer, *args, **kwargs):
-            if not attachment.enabled:
-                return original_step(*args, **kwargs)
-            closure = args[0] if args else kwargs.get("closure")
-            if closure is None:
-                return attachment._clip_and_step(optimizer, lambda: original_step(*args, **kwargs), None)
-            # step(closure): the closure makes the gradients, so the clip must come after it and before
-            # the update (Lightning always steps this way). Its first evaluation runs here, so that a
-            # "skip" clip can still refuse the step; the step then gets that evaluation back, and any
-            # later one (LBFGS re-evaluates) is clipped as it comes.
-            with torch.enable_grad():  # as torch's optimizers call a closure
-                loss = closure()
-            evaluations = 0
-
-            def clipped_closure():
-                nonlocal evaluations
-                evaluations += 1
-                if evaluations == 1:
-                    return loss
-                again = closure()
-                _clip_in_place(optimizer, attachment.plan_for(optimizer))  # (too late to skip: the step is under way)
-                return again
-
-            if args:
-                call = functools.partial(original_step, clipped_closure, *args[1:], **kwargs)
-            else:
-                call = functools.partial(original_step, **{**kwargs, "closure": clipped_closure})
-            return attachment._clip_and_step(optimizer, call, loss)
+            return attachment._step(optimizer, original_step, args, kwargs)
 
         # A bound method, as torch's LR schedulers expect (they re-wrap optimizer.step.__func__).
         optimizer.step = types.MethodType(step, optimizer)
@@ -317,6 +317,20 @@ class _Attachment:
         ]
         optimizer.__dict__.setdefault("_torchclip_attachments", []).append(self)
         optimizer.__reduce_ex__ = types.MethodType(_reduce_attached, optimizer)  # (copy and pickle read the instance's)
+
+    def _step(self, optimizer, original_step, args, kwargs):
+        """optimizer.step(*args, **kwargs) with the clip."""
+        if not self.enabled:
+            return original_step(*args, **kwargs)
+        closure = args[0] if args else kwargs.get("closure")
+        if closure is None:
+            return self._clip_and_step(optimizer, lambda: original_step(*args, **kwargs), None)
+        evaluated = _ClosureEvaluatedFirst(closure, lambda: _clip_in_place(optimizer, self.plan_for(optimizer)))
+        if args:
+            call = functools.partial(original_step, evaluated, *args[1:], **kwargs)
+        else:
+            call = functools.partial(original_step, **{**kwargs, "closure": evaluated})
+        return self._clip_and_step(optimizer, call, evaluated.loss)
 
     @property
     def skipped_steps(self) -> int:
@@ -331,15 +345,20 @@ class _Attachment:
         return self._plan
 
     def _clip_and_step(self, optimizer, step, skipped_result):
-        """Clip, folded into the step where it can be, and step; `skipped_result` when the step is skipped.
-        On a fused optimizer a clip's refusal travels as the kernel's found_inf, never read here."""
+        """Clip and step, one of three ways; `skipped_result` when the step is skipped:
+        - folded (plan.folded: one ClipGradByGlobalNorm over a fused step): only the norm is taken here,
+          and the coefficient goes to the kernel as its grad_scale;
+        - on a fused step otherwise: clip in place, and a clip's refusal goes to the kernel as found_inf,
+          never read here;
+        - on any other step: clip in place, and a refusal, read here, skips the step."""
         plan = self.plan_for(optimizer)
         if plan.folded is not None:
             folding = _fold_into_step(optimizer, plan.folded, plan.entries[0][1])
             if folding is not None:
                 if plan.folded.nonfinite == "skip":
                     self._count_skips_on_device(plan.folded.found_nonfinite)
-                return _step_with(optimizer, step, *folding, folded=True)
+                grad_scale, found_inf = folding
+                return _fused_step(optimizer, step, grad_scale=grad_scale, found_inf=found_inf, read_only=True)
         if _steps_fused(optimizer):
             refusal = _clip_in_place(optimizer, plan, on_device=True)
             if refusal is None:
@@ -348,7 +367,7 @@ class _Attachment:
             scaler_found = getattr(optimizer, "found_inf", None)
             skip = refusal.to(torch.float32)
             found_inf = skip if scaler_found is None else torch.maximum(scaler_found, skip.to(scaler_found.device))
-            return _step_with(optimizer, step, getattr(optimizer, "grad_scale", None), found_inf)
+            return _fused_step(optimizer, step, grad_scale=getattr(optimizer, "grad_scale", None), found_inf=found_inf)
         if not _clip_in_place(optimizer, plan):
             self._skipped_on_host += 1
             return skipped_result
@@ -472,7 +491,7 @@ def with_grad_clip(optimizer_class: type) -> type:
         torch_step = _adam_step.unhooked_step(optimizer_class)
 
         def step(self, closure=None):
-            if self.__dict__.get("_torchclip_folded"):
+            if self.__dict__.get("_torchclip_read_only_step"):
                 return _adam_step.step(self, closure)
             return torch_step(self, closure)
 
