@@ -4,7 +4,7 @@ when a call names new objects every step.
 Item 8: under nonfinite="skip" a call with a NaN or inf norm changes nothing (gradients, statistics, step
 counts) and asks an optimizer hook to skip the step, so the run continues as if the call had not been
 made; "raise" raises before any change. "propagate", the default, stays the reference packages' rule
-(tests/test_adaptive.py). Item 9: ClipGradByQuantile and ClipGradByNormEMA called with objects that are
+(tests/test_adaptive_zscore.py, tests/test_adaptive_quantile.py). Item 9: ClipGradByQuantile and ClipGradByNormEMA called with objects that are
 new at every call (pairs built from p.detach(), functional training) clip as when called with the
 parameters, by position, and warn once; rows of dead objects are reused, so the state does not grow."""
 
@@ -205,7 +205,7 @@ def test_unitwise_skip_leaves_a_nonfinite_call_alone():
 
 @pytest.mark.parametrize("name", EVERY)
 def test_nonfinite_is_one_of_the_policies(name):
-    assert EVERY[name]().nonfinite == "propagate"  # the reference packages' rule (tests/test_adaptive.py)
+    assert EVERY[name]().nonfinite == "propagate"  # the reference packages' rule (tests/test_adaptive_*.py)
     with pytest.raises(ValueError, match=r"nonfinite must be one of \('propagate', 'raise', 'skip'\), got 'ignore'"):
         EVERY[name](nonfinite="ignore")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 import math
 
@@ -162,3 +163,33 @@ def params_with(grads):
         p.grad = g
         params.append(p)
     return params
+
+
+# ---- the adaptive clips' tests (tests/test_adaptive_*.py): a small model, and gradient runs with loss spikes
+
+SPIKES = {7: 40.0, 31: 25.0, 32: 60.0, 45: 0.02, 50: 300.0}
+
+
+def model_pair(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3), torch.nn.Linear(3, 1))
+    return model, copy.deepcopy(model)
+
+
+def gradient_run(model, steps, seed=1, spikes=SPIKES):
+    """Per step, fresh gradients for every parameter: a slowly drifting scale, with spikes."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [p.shape for p in model.parameters()]
+    for step in range(steps):
+        scale = (1.0 + 0.3 * math.sin(step / 5)) * spikes.get(step, 1.0)
+        yield [torch.randn(s, generator=generator) * scale for s in shapes]
+
+
+def set_grads(model, grads):
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g.clone()
+
+
+def assert_same_grads(reference, ours, step):
+    for (name, a), b in zip(reference.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=2e-6, atol=1e-9, msg=lambda m, name=name: f"step {step}, {name}: {m}")
