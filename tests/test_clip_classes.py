@@ -330,3 +330,78 @@ def test_a_need_clip_property_that_drops_gradients_is_read_before_the_walk(monke
         assert (p.grad is None) == (i in dropped)
         if p.grad is not None:
             assert p.grad.abs().max() <= 0.5
+
+
+# ---- the protocol a user's clip follows (ClipGradBase's docstring, the README) ----------------------------
+
+
+class ClipGradBySign(torchclip.ClipGradBase):
+    """The README's example: signSGD's update, each element to -1, 0 or 1."""
+
+    def __init__(self):
+        self.calls = []
+
+    def clip_gradients_(self, grads, params):
+        self.calls.append(([tuple(g.shape) for g in grads], [tuple(p.shape) for p in params]))
+        for g in grads:
+            g.sign_()
+
+
+def test_a_users_clip_gets_the_selected_gradients_beside_their_parameters_in_both_call_forms():
+    for form in ("parameters", "pairs"):
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        torchclip.set_need_clip(model[1].bias, False)
+        excluded = model[1].bias.grad.clone()
+        clip = ClipGradBySign()
+        if form == "parameters":
+            assert clip(model) is None
+        else:
+            pairs = [(p, p.grad) for p in model.parameters()]
+            assert clip(pairs) == pairs
+        assert clip.calls == [([(4, 3), (4,), (2, 4)], [(4, 3), (4,), (2, 4)])]
+        for p in list(model.parameters())[:3]:
+            assert torch.equal(p.grad, p.grad.sign())
+        assert torch.equal(model[1].bias.grad, excluded)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_users_clip_serves_as_an_optimizers_grad_clip(fused):
+    model = torch.nn.Linear(5, 3)
+    reference = torch.nn.Linear(5, 3)
+    reference.load_state_dict(model.state_dict())
+    opt = torchclip.optim.SGD(model.parameters(), lr=0.1, grad_clip=ClipGradBySign(), fused=fused)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, fused=fused)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.sign()
+    opt.step()
+    ref_opt.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_users_clip_that_refuses_the_step_is_skipped_by_the_optimizer():
+    class RefuseEveryStep(ClipGradBySign):
+        def step_refused(self):
+            return torch.tensor(True)
+
+    model = torch.nn.Linear(5, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torchclip.optim.SGD(model.parameters(), lr=0.1, grad_clip=RefuseEveryStep())
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert opt.grad_clip_attachment.skipped_steps == 1
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_a_clip_without_clip_gradients_says_what_to_define():
+    class Incomplete(torchclip.ClipGradBase):
+        pass
+
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    with pytest.raises(NotImplementedError, match=r"Incomplete must define clip_gradients_\(grads, params\)"):
+        Incomplete()([p])

@@ -57,7 +57,7 @@ def refuse_in_place_clip(monkeypatch):
         raise NoInPlaceClip
 
     monkeypatch.setattr(ClipGradByGlobalNorm, "_clip_parameters", refuse)
-    monkeypatch.setattr(ClipGradByGlobalNorm, "_clip", refuse)
+    monkeypatch.setattr(ClipGradByGlobalNorm, "clip_gradients_", refuse)
 
 
 @pytest.fixture

@@ -102,7 +102,7 @@ def test_skip_leaves_a_nonfinite_step_out_as_if_it_had_not_been_made(name, form,
             skipping(FORMS[form](params))
             assert all(same(p.grad, g) for p, g in zip(params, grads)), "a gradient was scaled"
             assert_same_state(state_of(skipping), before)
-            assert bool(skipping.found_nonfinite) and bool(skipping._step_refused())
+            assert bool(skipping.found_nonfinite) and bool(skipping.step_refused())
             continue
         grads = gradients(step)
         give(params, grads)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import torchclip
-from torchclip import clip as clip_module
+from torchclip import marks as clip_module
 from torchclip import optim, tf_names
 
 CLIPS = {

@@ -21,10 +21,8 @@ from torchclip.clip import (
     GradientClipByGlobalNorm,
     GradientClipByNorm,
     GradientClipByValue,
-    exclude_from_clipping,
-    set_gradient_clip,
-    set_need_clip,
 )
+from torchclip.clip_base import ClipGradBase
 from torchclip.clip_grad import (
     NotATensorError,
     clip_grad_norm,
@@ -34,6 +32,7 @@ from torchclip.clip_grad import (
     get_total_norm,
     patch,
 )
+from torchclip.marks import exclude_from_clipping, set_gradient_clip, set_need_clip
 from torchclip.stats import grad_norm
 from torchclip.tf_names import clip_by_global_norm, clip_by_norm, clip_by_value, global_norm
 
@@ -41,6 +40,7 @@ __version__ = "0.1.0"
 
 # What the README's API table documents, no more (tests/test_public_api.py).
 __all__ = [
+    "ClipGradBase",
     "ClipGradByGlobalNorm",
     "ClipGradByNorm",
     "ClipGradByNormEMA",

@@ -47,17 +47,11 @@ import warnings
 import torch
 from torch import Tensor
 
-from torchclip import _adam_step
-from torchclip import clip as _clip_module
-from torchclip.clip import (
-    ClipGradBase,
-    ClipGradByGlobalNorm,
-    ClipGradByNorm,
-    ClipGradByValue,
-    GradientClipByGlobalNorm,
-    add_to_count,
-    gradient_clip_of,
-)
+from torchclip import _adam_step, marks
+from torchclip._arguments import _positive_finite
+from torchclip.clip import ClipGradByGlobalNorm, ClipGradByNorm, ClipGradByValue, GradientClipByGlobalNorm
+from torchclip.clip_base import ClipGradBase, add_to_count
+from torchclip.marks import gradient_clip_of
 
 __all__ = [
     "SGD",
@@ -105,7 +99,7 @@ class _Plan:
     grad_scale is one number per device."""
 
     def __init__(self, optimizer, default):
-        self.generation, self.default = _clip_module._marks_generation, default
+        self.generation, self.default = marks.generation(), default
         self.groups = [(group.get(_GROUP_KEY), group.get("fused"), tuple(group["params"]))
                        for group in optimizer.param_groups]
         by_clip: dict[int, tuple[ClipGradBase, list]] = {}
@@ -150,7 +144,7 @@ class _Plan:
         swapped, add_param_group)."""
         # Every step, O(parameters): 15 us for 1000 on 2 CPU cores, a fifth of clipping 1000 16-element gradients.
         groups = optimizer.param_groups
-        return (self.generation == _clip_module._marks_generation and self.default is default
+        return (self.generation == marks.generation() and self.default is default
                 and len(self.groups) == len(groups)
                 and all(clip is group.get(_GROUP_KEY) and fused == group.get("fused")
                         and len(params) == len(group["params"]) and all(map(operator.is_, params, group["params"]))
@@ -184,7 +178,7 @@ def _clip_in_place(optimizer, plan: _Plan, on_device: bool = False):
     for clip, params in plan.entries:
         clip.found_nonfinite = None  # (a clip whose parameters have no gradient this step meets nothing)
         clip(params)
-        refused = clip._step_refused()
+        refused = clip.step_refused()
         if refused is not None:
             refusals.append(refused)
     if on_device:
@@ -193,42 +187,6 @@ def _clip_in_place(optimizer, plan: _Plan, on_device: bool = False):
         device = refusals[0].device
         return torch.stack([r.to(device) for r in refusals]).any()
     return not any(bool(r) for r in refusals)  # one flag read per clip: a sync on accelerators
-
-
-def _fold_into_step(optimizer, clip: ClipGradByGlobalNorm, params) -> tuple[Tensor, Tensor | None] | None:
-    """(grad_scale, found_inf) that make the fused step clip by `clip`, with no pass over the gradients
-    but the norm; None where the C++ walk declines (the caller then clips in place). Everything stays
-    on the gradients' device: no host read, except to raise under nonfinite="raise"."""
-    scaler_scale = getattr(optimizer, "grad_scale", None)  # GradScaler's: the gradients are still scaled
-    scaler_found = getattr(optimizer, "found_inf", None)
-    raises_here = clip.nonfinite == "raise" and scaler_found is None
-    found_norms = clip._global_norm_of_parameters(params, "raise" if raises_here else "skip")
-    if found_norms is None:
-        return None
-    norm, norms = found_norms
-    if scaler_scale is not None:
-        norm = norm / scaler_scale.to(norm.device)
-        norms = norms / scaler_scale.to(norms.device)
-    finite = torch.isfinite(norm)
-    found = ~finite
-    if scaler_found is not None:
-        found = found & (scaler_found.to(norm.device) == 0)  # a step the scaler skips is not the clip's
-    if clip.nonfinite == "raise" and not raises_here and bool(found):
-        raise RuntimeError("ClipGradByGlobalNorm: the global norm is non-finite (NaN or inf), so it cannot be "
-                           "clipped; no gradient was changed")
-    clip._record_found(found)
-    # 1 / Paddle's coefficient clip_norm / max(norm, clip_norm); inf or NaN for a non-finite norm, which
-    # the kernel's division turns into what scaling by 0 or NaN gives (nonfinite="propagate").
-    grad_scale = torch.clamp(norm / clip.clip_norm, min=1.0)
-    found_inf = scaler_found
-    if clip.nonfinite == "skip":
-        grad_scale = torch.where(finite, grad_scale, torch.ones_like(grad_scale))
-        skip = found.to(torch.float32)
-        found_inf = skip if scaler_found is None else torch.maximum(scaler_found, skip.to(scaler_found.device))
-    clip._keep(norm, norms, (1.0 / grad_scale).to(torch.float64))
-    if scaler_scale is not None:
-        grad_scale = grad_scale * scaler_scale.to(grad_scale.device)
-    return grad_scale.to(torch.float32), found_inf
 
 
 # What a step reads from the instance: torch's fused steps read grad_scale and found_inf (the attributes
@@ -353,7 +311,8 @@ class _Attachment:
         - on any other step: clip in place, and a refusal, read here, skips the step."""
         plan = self.plan_for(optimizer)
         if plan.folded is not None:
-            folding = _fold_into_step(optimizer, plan.folded, plan.entries[0][1])
+            folding = plan.folded.fold_into_fused_step(plan.entries[0][1], getattr(optimizer, "grad_scale", None),
+                                                       getattr(optimizer, "found_inf", None))
             if folding is not None:
                 if plan.folded.nonfinite == "skip":
                     self._count_skips_on_device(plan.folded.found_nonfinite)
@@ -452,7 +411,7 @@ def _keras_clip(grad_clip, **keras) -> ClipGradBase | None:
     (name, value), = given.items()
     if grad_clip is not None:
         raise ValueError(f"grad_clip and {name} both set (grad_clip={grad_clip!r}, {name}={value!r}): give one of them")
-    limit = _clip_module._positive_finite(name, value)
+    limit = _positive_finite(name, value)
     if name == "clipnorm":
         return ClipGradByNorm(limit)
     if name == "clipvalue":

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from torchclip import _ops
-from torchclip.clip import _tensor_norms
+from torchclip.clip_base import _tensor_norms
 
 __all__ = ["grad_norm"]
 

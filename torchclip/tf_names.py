@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from torchclip import _ops
-from torchclip.clip import _tensor_norms
+from torchclip.clip_base import _tensor_norms
 
 __all__ = ["clip_by_global_norm", "clip_by_norm", "clip_by_value", "global_norm"]
 

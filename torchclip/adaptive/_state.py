@@ -37,7 +37,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torchclip import _ops, _shards
-from torchclip.clip import ClipGradBase, _tensor_norms
+from torchclip.clip_base import ClipGradBase, _tensor_norms
 
 # The epsilon both references add to the norm in the clip coefficient (torch's clip_grad_norm_'s).
 _COEFFICIENT_EPS = 1e-6
@@ -245,7 +245,7 @@ class _StatefulClip(_NonfiniteGate, ClipGradBase):
     to their device, the nonfinite policy (_NonfiniteGate) and per-parameter rows."""
 
     def _clip_parameters(self, params) -> bool:
-        return False  # the Python walk: ClipGradBase.__call__ then calls _clip_pairs
+        return False  # the Python walk: ClipGradBase.__call__ then calls clip_gradients_
 
     @staticmethod
     def _walk_cpu(params, max_norm: float, eps: float, nonfinite: str) -> tuple[Tensor, Tensor] | None:
@@ -267,13 +267,12 @@ class _StatefulClip(_NonfiniteGate, ClipGradBase):
     # Hand-sharded gradients (torchclip.distributed): the clips that need only the global norm take one.
     process_group = None
 
-    def _global_norm_of(self, pairs) -> tuple[list[Tensor], Tensor | None, Tensor]:
+    def _global_norm_of(self, grads, params) -> tuple[list[Tensor], Tensor | None, Tensor]:
         """(the tensors to scale, each gradient's L2 norm or None, the global L2 norm), float64. Hand
         shards (process_group) give the global norm alone: a tensor's pieces may live on several ranks.
         With a process group every rank calls, gradients or not: the norm is a collective."""
-        grads = [g for _, g in pairs]
         if self.process_group is not None:
-            shards = _shards.hand_shards(grads, [p for p, _ in pairs], self.process_group)
+            shards = _shards.hand_shards(grads, params, self.process_group)
             return shards.local, None, _shards.sharded_norm(shards, 2.0, False)
         targets, norms = _targets_and_norms(grads)
         return targets, norms, torch.linalg.vector_norm(norms, 2.0)

@@ -9,6 +9,7 @@ import math
 import torch
 from torch import Tensor
 
+from torchclip._arguments import _policy
 from torchclip.adaptive._state import (
     _check_fraction,
     _check_positive,
@@ -19,7 +20,6 @@ from torchclip.adaptive._state import (
     _targets_and_norms,
     _to_device,
 )
-from torchclip.clip import _policy
 
 
 class ClipGradByNormEMA(_StatefulClip):
@@ -70,17 +70,17 @@ class ClipGradByNormEMA(_StatefulClip):
         self.last_norms: Tensor | None = None
         self.last_clip_coef: Tensor | None = None
 
-    def _clip_pairs(self, pairs) -> None:
-        if not pairs:
+    def clip_gradients_(self, grads, params) -> None:
+        if not grads:
             return
-        grads, norms = _targets_and_norms([g for _, g in pairs])
+        grads, norms = _targets_and_norms(grads)
         device = norms.device
         self.last_norms = norms
         if not self._admits(norms):
             self.last_clip_coef = torch.ones_like(norms)
             return
         self.gammas = self._on(self.gammas, device)
-        index = _to_device(self._rows_of([p for p, _ in pairs], device), device)
+        index = _to_device(self._rows_of(params, device), device)
         gamma = self.gammas.index_select(0, index)
         if self.steps < self.warmup_steps:
             global_norm = torch.linalg.vector_norm(norms, 2.0)
@@ -106,9 +106,6 @@ class ClipGradByNormEMA(_StatefulClip):
             self.gammas = torch.cat([self.gammas, grow])
         if reclaimed:
             self.gammas.index_fill_(0, _to_device(reclaimed, device), math.inf)
-
-    def _clip(self, grads):  # ClipGradBase's route always comes through _clip_pairs
-        raise AssertionError("ClipGradByNormEMA clips through _clip_pairs")
 
     def state_dict(self) -> dict[str, Tensor]:
         """The step count and the thresholds (one per parameter, see _ParamRows), as tensors."""

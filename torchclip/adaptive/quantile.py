@@ -9,6 +9,7 @@ import math
 import torch
 from torch import Tensor
 
+from torchclip._arguments import _policy
 from torchclip.adaptive._state import (
     _COEFFICIENT_EPS,
     _check_count,
@@ -22,7 +23,6 @@ from torchclip.adaptive._state import (
     _targets_and_norms,
     _to_device,
 )
-from torchclip.clip import _policy
 
 
 class _SortedWindow:
@@ -120,29 +120,26 @@ class ClipGradByQuantile(_StatefulClip):
         self._observe_global_on_host(found[1])
         return True
 
-    def _clip_pairs(self, pairs) -> None:
-        if not pairs and self.process_group is None:
+    def clip_gradients_(self, grads, params) -> None:
+        if not grads and self.process_group is None:
             return
         if self.global_threshold:
-            grads, _, norm = self._global_norm_of(pairs)
+            grads, _, norm = self._global_norm_of(grads, params)
             if norm.device.type == "cpu":
                 return self._clip_global_on_host(grads, norm)
             observed = norm.reshape(1)
         else:
-            grads, observed = _targets_and_norms([g for _, g in pairs])
+            grads, observed = _targets_and_norms(grads)
         self.last_norms = observed[0] if self.global_threshold else observed
         if not self._admits(self.last_norms):
             return
         device = observed.device
         self.history = self._on(self.history, device)
-        rows = [0] if self.global_threshold else self._rows_of([p for p, _ in pairs], device)
+        rows = [0] if self.global_threshold else self._rows_of(params, device)
         thresholds = self._thresholds(rows, device)
         scale = _clip_coefficient(thresholds, observed)
         self._record_norms(rows, observed, device)
         _scale(grads, scale[0] if self.global_threshold else scale)
-
-    def _clip(self, grads):  # ClipGradBase's route always comes through _clip_pairs
-        raise AssertionError("ClipGradByQuantile clips through _clip_pairs")
 
     def _clip_global_on_host(self, grads: list[Tensor], norm: Tensor) -> None:
         """The global rule where the norm is in host memory: read without waiting, and the quantile taken

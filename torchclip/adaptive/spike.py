@@ -10,8 +10,9 @@ import math
 import torch
 from torch import Tensor
 
+from torchclip._arguments import _policy
 from torchclip.adaptive._state import _check_count, _check_positive, _check_state, _StatefulClip
-from torchclip.clip import ClipGradBase, _policy, add_to_count
+from torchclip.clip_base import ClipGradBase, add_to_count
 
 
 class SkipStepOnSpike(_StatefulClip):
@@ -50,18 +51,19 @@ class SkipStepOnSpike(_StatefulClip):
         self.skips: Tensor | None = None
         self.last_global_norm: Tensor | None = None
 
-    def _clip_pairs(self, pairs) -> None:
-        if not pairs and self.process_group is None:
+    def clip_gradients_(self, grads, params) -> None:
+        if not grads and self.process_group is None:
             self.skip = None
             return
-        norm = self._global_norm_of(pairs)[2]
+        norm = self._global_norm_of(grads, params)[2]
         admitted = self._admits(norm)
         # A norm that nonfinite keeps out of the window is skipped, as a NaN or inf norm in it would be.
         skip = self._decide(norm) if admitted else torch.ones((), dtype=torch.bool, device=norm.device)
         self.skip, self.last_global_norm = skip, norm
         self.skips = add_to_count(self.skips, skip)
         if admitted and self.clip is not None:
-            self.clip._clip_pairs([(p, g) for p, g in pairs if self.clip._wants(p)])
+            selected = [(p, g) for p, g in zip(params, grads) if self.clip.selects(p)]
+            self.clip.clip_gradients_([g for _, g in selected], [p for p, _ in selected])
 
     def _decide(self, norm: Tensor) -> Tensor:
         """Whether to skip (0-d bool) against the earlier norms; the norm then enters the window."""
@@ -78,11 +80,8 @@ class SkipStepOnSpike(_StatefulClip):
         self.count += 1
         return skip
 
-    def _step_refused(self) -> Tensor | None:
+    def step_refused(self) -> Tensor | None:
         return self.skip
-
-    def _clip(self, grads):  # ClipGradBase's route always comes through _clip_pairs
-        raise AssertionError("SkipStepOnSpike decides through _clip_pairs")
 
     def state_dict(self) -> dict[str, Tensor]:
         """The window of norms and the count, as tensors (the inner clip's state is its own)."""

@@ -8,8 +8,9 @@ import torch
 from torch import Tensor
 
 from torchclip import _ops
+from torchclip._arguments import _policy
 from torchclip.adaptive._state import _check_positive, _NonfiniteGate, _targets_and_norms
-from torchclip.clip import ClipGradBase, _policy
+from torchclip.clip_base import ClipGradBase
 
 
 class ClipGradByUnitwiseNorm(_NonfiniteGate, ClipGradBase):
@@ -45,13 +46,10 @@ class ClipGradByUnitwiseNorm(_NonfiniteGate, ClipGradBase):
         self.norm_type = float(norm_type)
         self.nonfinite = _policy(nonfinite)
 
-    def _clip_parameters(self, params) -> bool:
-        return False  # no C++ walk: ClipGradBase.__call__ then calls _clip_pairs, which runs the fused op on the lists
-
-    def _clip_pairs(self, pairs) -> None:
-        if not pairs:
+    def clip_gradients_(self, grads, params) -> None:  # (no C++ walk: the fused op runs on the lists)
+        if not grads:
             return
-        params, grads = [p.detach() for p, _ in pairs], [g for _, g in pairs]
+        params = [p.detach() for p in params]
         if self.nonfinite != "propagate" and not self._admits(_targets_and_norms(grads)[1]):
             return
         if _ops.kernels_serve(grads, devices=("cpu",)) and _ops.kernels_serve(params, devices=("cpu",)):
@@ -66,9 +64,6 @@ class ClipGradByUnitwiseNorm(_NonfiniteGate, ClipGradBase):
             grad_norm = _unit_norms(g, self.norm_type)
             factor = torch.where(grad_norm < max_norm, torch.ones_like(grad_norm), max_norm / grad_norm.clamp(min=1e-6))
             g.mul_(factor.to(g.device, torch.float64 if g.dtype == torch.float64 else torch.float32))
-
-    def _clip(self, grads):  # ClipGradBase's route always comes through _clip_pairs
-        raise AssertionError("ClipGradByUnitwiseNorm clips through _clip_pairs")
 
     def __repr__(self):
         return f"{type(self).__name__}(clip_factor={self.clip_factor}, eps={self.eps}, norm_type={self.norm_type})"

@@ -8,6 +8,7 @@ import math
 import torch
 from torch import Tensor
 
+from torchclip._arguments import _policy
 from torchclip.adaptive._state import (
     _COEFFICIENT_EPS,
     _check_count,
@@ -19,7 +20,6 @@ from torchclip.adaptive._state import (
     _scale,
     _StatefulClip,
 )
-from torchclip.clip import _policy
 
 
 class ClipGradByZScore(_StatefulClip):
@@ -92,13 +92,13 @@ class ClipGradByZScore(_StatefulClip):
             return False
         coefficient = self._observe(*found)
         if coefficient is not None and coefficient.item() != 1.0:  # (in host memory: the read waits for nothing)
-            _scale([p.grad for p in params if p.grad is not None and self._wants(p)], coefficient)
+            _scale([p.grad for p in params if p.grad is not None and self.selects(p)], coefficient)
         return True
 
-    def _clip_pairs(self, pairs) -> None:
-        if not pairs and self.process_group is None:
+    def clip_gradients_(self, grads, params) -> None:
+        if not grads and self.process_group is None:
             return
-        grads, norms, norm = self._global_norm_of(pairs)
+        grads, norms, norm = self._global_norm_of(grads, params)
         coefficient = self._observe(norms, norm)
         if coefficient is not None:
             _scale(grads, coefficient)
@@ -127,9 +127,6 @@ class ClipGradByZScore(_StatefulClip):
         self.steps += 1
         self.last_norms, self.last_global_norm, self.last_clip_coef = norms, norm, coefficient
         return coefficient
-
-    def _clip(self, grads):  # ClipGradBase's route always comes through _clip_pairs
-        raise AssertionError("ClipGradByZScore clips through _clip_pairs")
 
     def _after_warmup(self, norm: Tensor) -> Tensor:
         """The clip coefficient after warm-up, and the EMA update. In host memory the numbers are read

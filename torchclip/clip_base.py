@@ -1,0 +1,146 @@
+"""ClipGradBase: what every clip shares (the call forms, choosing the gradients, the statistics a
+nonfinite policy keeps) and the protocol a clip follows, a user's own included."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from torchclip import _ops, _sparse
+from torchclip._arguments import _CALL_FORMS, _checked_pairs, _checked_parameters, _items_of
+
+__all__ = ["ClipGradBase"]
+
+
+def _norm(g: Tensor) -> Tensor:
+    """A gradient's L2 norm on the general path (other devices, subclasses, sparse COO), accumulated
+    in at least float32."""
+    if _sparse.is_sparse(g):
+        return _sparse.norm64(g, 2.0)
+    return torch.linalg.vector_norm(g, 2.0, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
+
+
+def _tensor_norms(tensors: list[Tensor], ord: float = 2.0) -> Tensor:
+    """Each tensor's `ord`-norm in float64, on the first tensor's device: one fused kernel pass where
+    the kernels serve the list and nothing needs a gradient; else one norm per tensor, differentiable
+    (in float64, complex128 for complex data; sparse COO by its values)."""
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) and _ops.kernels_serve(tensors):
+        return _ops.multi_tensor_norm(tensors, ord, False)[1]
+    device = tensors[0].device
+    return torch.stack([
+        (_sparse.norm64(t, ord) if _sparse.is_sparse(t) else
+         torch.linalg.vector_norm(t, ord, dtype=torch.complex128 if t.is_complex() else torch.float64)).to(device)
+        for t in tensors
+    ])
+
+
+def add_to_count(count: Tensor | None, found: Tensor) -> Tensor:
+    """count + found, as a 0-d int64 tensor on found's device. While a CUDA graph is being captured the
+    sum goes into `count` in place: a new tensor would be rewritten by every replay with the captured
+    call's sum, so replays would not count. Elsewhere a new tensor, so a count read earlier stays as read."""
+    if count is None:
+        return found.to(torch.int64)
+    if found.is_cuda and count.device == found.device and torch.cuda.is_current_stream_capturing():
+        return count.add_(found)
+    return found.to(torch.int64) + count.to(found.device)
+
+
+class ClipGradBase:
+    """What every clip shares: the two call forms, choosing the gradients to clip, and what an optimizer
+    hook asks of a clip.
+
+    Writing a clip: subclass ClipGradBase and define `clip_gradients_(grads, params)`, which clips the
+    given gradients in place (each beside its parameter, for clips that read the weights or keep state
+    per parameter). It is called with the gradients this clip selects (`selects`: need_clip marks, the
+    legacy need_clip predicate; gradients that are None dropped), under torch.no_grad(), from either
+    call form, so the clip works as `clip(model.parameters())`, as `clip(pairs)` and as `grad_clip=` on
+    torchclip.optim's optimizers. Two more hooks have defaults:
+
+    * `step_refused()`: whether the last call asks an optimizer hook to skip the step (a 0-d bool tensor,
+      never read by the hook on a fused step, or None). By default, a NaN/inf norm under nonfinite="skip",
+      as `_record(norms)` noted it.
+    * `_clip_parameters(params)`: a shortcut for plain parameters, one C++ call that selects and clips
+      (the built-in clips' fast path); returning False (the default) takes `clip_gradients_`.
+
+    Example:
+
+        class ClipGradBySign(torchclip.ClipGradBase):   # signSGD's update: each element to -1, 0 or 1
+            def clip_gradients_(self, grads, params):
+                for g in grads:
+                    g.sign_()
+
+    Norm-based clips take `nonfinite`, what a NaN or inf norm does: "propagate" (scale by it, as torch
+    and Paddle do: the gradients become NaN or zero), "raise" (a RuntimeError, gradients unchanged) or
+    "skip" (gradients unchanged; an optimizer hook then skips the step). `found_nonfinite` (a 0-d bool
+    tensor) says whether the last call met one and `nonfinite_steps` (0-d int64) counts the calls that
+    did, both on the gradients' device, for logging without a host sync.
+    """
+
+    _need_clip_predicate: Callable[[Tensor], bool] | None = None
+    nonfinite: str = "propagate"
+    found_nonfinite: Tensor | None = None
+    nonfinite_steps: Tensor | None = None
+
+    def _record(self, norms: Tensor) -> None:
+        """Update found_nonfinite / nonfinite_steps from the last call's norm(s)."""
+        if norms.dim() == 0 and norms.device.type == "cpu":
+            return self._record_found_on_host(not math.isfinite(norms.item()))
+        self._record_found(~torch.isfinite(norms).all())
+
+    def _record_found(self, found: Tensor) -> None:
+        self.found_nonfinite = found
+        self.nonfinite_steps = add_to_count(self.nonfinite_steps, found)
+
+    def _record_found_on_host(self, found: bool) -> None:
+        """_record_found for a flag the host already has (a CPU clip): two new CPU tensors, no ops,
+        which after a step's memory pass run with their code out of cache."""
+        steps = self.nonfinite_steps
+        if steps is not None and steps.device.type != "cpu":
+            return self._record_found(torch.tensor(found, device=steps.device))
+        self.found_nonfinite = torch.tensor(found)
+        self.nonfinite_steps = torch.tensor((0 if steps is None else int(steps)) + found)
+
+    def step_refused(self) -> Tensor | None:
+        """Whether the last call asks an optimizer hook to skip the step (a 0-d bool tensor), or None:
+        a NaN/inf norm under nonfinite="skip"."""
+        return self.found_nonfinite if self.nonfinite == "skip" else None
+
+    def selects(self, param) -> bool:
+        """Whether this clip clips `param`'s gradient: its need_clip mark (default True) and the legacy
+        need_clip predicate (default: all) both allow it."""
+        if getattr(param, "need_clip", True) is False:  # the same test as the C++ walk's
+            return False
+        return self._need_clip_predicate is None or bool(self._need_clip_predicate(param))
+
+    def __call__(self, params_grads):
+        """clip(pairs) -> clipped pairs (grad None dropped); clip(parameters or a Module) -> None.
+
+        The one route of every clip: the C++ walk over the parameters and their need_clip marks (a
+        need_clip predicate is Python, so it takes the Python walk), else the general path under one
+        no_grad()."""
+        who = type(self).__name__
+        items = _items_of(params_grads, who, _CALL_FORMS)
+        pairs_form = bool(items) and isinstance(items[0], (tuple, list))
+        if pairs_form:
+            pairs = [(p, g) for p, g in _checked_pairs(items, who) if g is not None]
+        else:
+            # The C++ walk takes only tensors (it declines anything else), so the items are checked after it.
+            if self._need_clip_predicate is None and not _ops.dynamo_is_tracing() and self._clip_parameters(items):
+                return None
+            pairs = [(p, p.grad) for p in _checked_parameters(items, who, _CALL_FORMS) if p.grad is not None]
+        selected = [(p, g) for p, g in pairs if self.selects(p)]
+        with torch.no_grad():
+            self.clip_gradients_([g for _, g in selected], [p for p, _ in selected])
+        return pairs if pairs_form else None
+
+    def clip_gradients_(self, grads: list[Tensor], params: list[Tensor]) -> None:
+        """Clip `grads` in place; `params[i]` is the parameter of `grads[i]`. What a clip defines."""
+        raise NotImplementedError(f"{type(self).__name__} must define clip_gradients_(grads, params): see ClipGradBase")
+
+    def _clip_parameters(self, params: list) -> bool:
+        """Select and clip the gradients of plain CPU or CUDA parameters in one C++ call; False (the
+        default) when some parameter needs the general path, clip_gradients_."""
+        return False
