@@ -1,25 +1,27 @@
 // The CUDA ops on a list that the parameter walk has already checked and split: the CUDA twins of the
-// CPU's *_split functions (cpu/ops_cpu.h). torchclip._cuda defines them (cuda/ops_cuda.cpp) and hands
-// this table to torchclip._C at import, in a capsule (torchclip/_ops.py), so that the walk calls them
-// directly, as it calls the CPU's: the dispatcher's route checked and split every tensor a second
-// time on one thread, after the walk's parallel pass.
+// CPU's <op>_cpu_split functions (cpu/ops_cpu.h), each member pointing at cuda/ops_cuda.cpp's
+// <op>_cuda_split on the walk's Split. torchclip._cuda defines them and hands this table to
+// torchclip._C at import, in a capsule (torchclip/_ops.py), so that the walk calls them directly, as it
+// calls the CPU's: the dispatcher's route checked and split every tensor a second time on one thread,
+// after the walk's parallel pass.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/string_view.h>
 
-#include "cpu/ops_cpu.h"  // Split (the walk's, the same for both devices) and NormClipStats
+#include "split.h"
 
 namespace torchclip {
 
+// Member <name> holds <name>_cuda_split, the overload on the walk's Split (cuda/ops_cuda.cpp).
 struct CudaSplitOps {
   at::Tensor (*total_norm)(at::TensorList tensors, const Split& split, double ord, bool error_if_nonfinite);
-  at::Tensor (*clip_grad_norm)(at::TensorList grads, const Split& split, double max_norm, double norm_type,
+  at::Tensor (*clip_grad_norm_)(at::TensorList grads, const Split& split, double max_norm, double norm_type,
       bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite,
       NormClipStats* stats);
-  at::Tensor (*clip_by_tensor_norm)(at::TensorList tensors, const Split& split, double max_norm,
+  at::Tensor (*clip_by_tensor_norm_)(at::TensorList tensors, const Split& split, double max_norm,
       c10::string_view nonfinite);
-  void (*clamp)(at::TensorList tensors, const Split& split, double min, double max);
+  void (*multi_tensor_clamp_)(at::TensorList tensors, const Split& split, double min, double max);
 };
 
 // The capsule's name, which _C checks: change its version with CudaSplitOps' layout, so that a _cuda

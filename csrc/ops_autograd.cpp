@@ -12,18 +12,29 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
+#include <cstddef>
+#include <string>
+#include <tuple>
+#include <type_traits>
+
 #include "op_handles.h"
 
 namespace torchclip {
 namespace {
 
-void check_not_differentiated(at::TensorList tensors, const char* op) {
+// The op's name as its messages spell it, torchclip.<op>; built only when a check fails.
+std::string message_name(const c10::OperatorHandle& op) {
+  std::string name = op.operator_name().name;  // torchclip::<op>
+  return name.replace(name.find("::"), 2, ".");
+}
+
+void check_not_differentiated(at::TensorList tensors, const c10::OperatorHandle& op) {
   if (!c10::GradMode::is_enabled()) {
     return;
   }
   for (size_t i = 0; i < tensors.size(); ++i) {
-    TORCH_CHECK(!tensors[i].requires_grad(), op, ": tensors[", i, "] requires grad and grad mode is on; this op "
-        "modifies tensors in place and is not differentiable (call it under torch.no_grad())");
+    TORCH_CHECK(!tensors[i].requires_grad(), message_name(op), ": tensors[", i, "] requires grad and grad mode is "
+        "on; this op modifies tensors in place and is not differentiable (call it under torch.no_grad())");
   }
 }
 
@@ -33,157 +44,100 @@ void bump_versions(at::TensorList tensors) {
   }
 }
 
+// The Autograd and ADInplaceOrView kernels of an op that writes the lists at schema positions `written`
+// (the first of them is the list refused when it requires grad); `handle` is its op_handles accessor.
 // Each kernel receives the dispatch key set it was called with and redispatches below autograd and
 // ADInplaceOrView: the backend key (CPU, ...) comes from that set, without re-reading every tensor.
-void multi_tensor_scale_autograd(c10::DispatchKeySet ks, at::TensorList tensors, const at::Tensor& scale) {
-  const auto& op = op_handles::multi_tensor_scale_();
-  check_not_differentiated(tensors, "torchclip.multi_tensor_scale_");
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    op.redispatch(ks & c10::after_ADInplaceOrView_keyset, tensors, scale);
+template <auto handle, typename Signature, size_t... written>
+struct WritingKernels;
+
+template <auto handle, typename Result, typename... Args, size_t first, size_t... written>
+struct WritingKernels<handle, Result(Args...), first, written...> {
+  static Result autograd(c10::DispatchKeySet ks, Args... args) {
+    const auto& op = handle();
+    check_not_differentiated(std::get<first>(std::tie(args...)), op);
+    return redispatch_then_bump(op, ks, args...);
   }
-  bump_versions(tensors);
-}
 
-void multi_tensor_clamp_autograd(c10::DispatchKeySet ks, at::TensorList tensors, double min, double max) {
-  const auto& op = op_handles::multi_tensor_clamp_();
-  check_not_differentiated(tensors, "torchclip.multi_tensor_clamp_");
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    op.redispatch(ks & c10::after_ADInplaceOrView_keyset, tensors, min, max);
+  // Under inference mode the Autograd kernel is skipped, but a normal tensor's ADInplaceOrView key is
+  // not: ATen's in-place ops bump versions there, so a graph that saved the tensor still notices the
+  // write. (Outside inference mode the Autograd kernel redispatches past this key: one bump per write.)
+  static Result inplace_or_view(c10::DispatchKeySet ks, Args... args) {
+    return redispatch_then_bump(handle(), ks, args...);
   }
-  bump_versions(tensors);
-}
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> clip_grad_norm_autograd(c10::DispatchKeySet ks, at::TensorList grads,
-    double max_norm, double norm_type, bool error_if_nonfinite, double eps, bool norm_at_least_float32,
-    c10::string_view nonfinite) {
-  const auto& op = op_handles::clip_grad_norm_();
-  check_not_differentiated(grads, "torchclip.clip_grad_norm_");
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> results;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    results = op.redispatch(ks & c10::after_ADInplaceOrView_keyset, grads, max_norm, norm_type, error_if_nonfinite,
-        eps, norm_at_least_float32, nonfinite);
+ private:
+  C10_ALWAYS_INLINE static Result redispatch_then_bump(const c10::TypedOperatorHandle<Result(Args...)>& op,
+      c10::DispatchKeySet ks, Args... args) {
+    const auto bump_written = [&] {
+      const auto all = std::tie(args...);
+      bump_versions(std::get<first>(all));
+      (bump_versions(std::get<written>(all)), ...);
+    };
+    if constexpr (std::is_void_v<Result>) {
+      {
+        at::AutoDispatchBelowADInplaceOrView guard;
+        op.redispatch(ks & c10::after_ADInplaceOrView_keyset, args...);
+      }
+      bump_written();
+    } else {
+      Result results;
+      {
+        at::AutoDispatchBelowADInplaceOrView guard;
+        results = op.redispatch(ks & c10::after_ADInplaceOrView_keyset, args...);
+      }
+      bump_written();
+      return results;
+    }
   }
-  bump_versions(grads);
-  return results;
-}
+};
 
-at::Tensor clip_by_tensor_norm_autograd(c10::DispatchKeySet ks, at::TensorList tensors, double max_norm,
-    c10::string_view nonfinite) {
-  const auto& op = op_handles::clip_by_tensor_norm_();
-  check_not_differentiated(tensors, "torchclip.clip_by_tensor_norm_");
-  at::Tensor norms;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    norms = op.redispatch(ks & c10::after_ADInplaceOrView_keyset, tensors, max_norm, nonfinite);
-  }
-  bump_versions(tensors);
-  return norms;
-}
+template <typename Handle>
+struct SignatureOf;
 
-void unitwise_clip_autograd(c10::DispatchKeySet ks, at::TensorList grads, at::TensorList params, double clip_factor,
-    double eps, double norm_type) {
-  const auto& op = op_handles::unitwise_clip_();
-  check_not_differentiated(grads, "torchclip.unitwise_clip_");
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    op.redispatch(ks & c10::after_ADInplaceOrView_keyset, grads, params, clip_factor, eps, norm_type);
-  }
-  bump_versions(grads);
-}
+template <typename Signature>
+struct SignatureOf<c10::TypedOperatorHandle<Signature>> {
+  using type = Signature;
+};
 
-at::Tensor adam_step_autograd(c10::DispatchKeySet ks, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList state_steps, double lr, double beta1,
-    double beta2, double weight_decay, double eps, bool amsgrad, bool maximize, bool decoupled_weight_decay,
-    const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
-  const auto& op = op_handles::adam_step_();
-  check_not_differentiated(params, "torchclip.adam_step_");
-  at::Tensor stepped;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    stepped = op.redispatch(ks & c10::after_ADInplaceOrView_keyset, params, grads, exp_avgs, exp_avg_sqs,
-        max_exp_avg_sqs, state_steps, lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, decoupled_weight_decay,
-        grad_scale, found_inf);
-  }
-  // Bumped whether or not the kernels stepped: reading the flag here would be data-dependent under
-  // tracing, and an extra bump only says "maybe modified".
-  for (at::TensorList written : {params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps}) {
-    bump_versions(written);
-  }
-  return stepped;
-}
+template <auto handle, size_t... written>
+using Writes =
+    WritingKernels<handle, typename SignatureOf<std::decay_t<decltype(handle())>>::type, written...>;
 
-// Under inference mode the Autograd kernels above are skipped, but a normal tensor's ADInplaceOrView key is
-// not: ATen's in-place ops bump versions there, so a graph that saved the tensor still notices the write.
-// (Outside inference mode the Autograd kernels redispatch past this key, so each write bumps once.)
-template <typename Op, typename... Args>
-void redispatch_then_bump(const Op& op, c10::DispatchKeySet ks, at::TensorList written, Args&&... args) {
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    op.redispatch(ks & c10::after_ADInplaceOrView_keyset, std::forward<Args>(args)...);
-  }
-  bump_versions(written);
-}
+// Whether an op's writes under inference mode bump versions too (an ADInplaceOrView kernel).
+constexpr std::true_type kWithInplaceOrView{};
+constexpr std::false_type kAutogradOnly{};
 
-void multi_tensor_scale_inplace_or_view(c10::DispatchKeySet ks, at::TensorList tensors, const at::Tensor& scale) {
-  redispatch_then_bump(op_handles::multi_tensor_scale_(), ks, tensors, tensors, scale);
-}
-
-void multi_tensor_clamp_inplace_or_view(c10::DispatchKeySet ks, at::TensorList tensors, double min, double max) {
-  redispatch_then_bump(op_handles::multi_tensor_clamp_(), ks, tensors, tensors, min, max);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> clip_grad_norm_inplace_or_view(c10::DispatchKeySet ks,
-    at::TensorList grads, double max_norm, double norm_type, bool error_if_nonfinite, double eps,
-    bool norm_at_least_float32, c10::string_view nonfinite) {
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> results;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    results = op_handles::clip_grad_norm_().redispatch(ks & c10::after_ADInplaceOrView_keyset, grads, max_norm,
-        norm_type, error_if_nonfinite, eps, norm_at_least_float32, nonfinite);
-  }
-  bump_versions(grads);
-  return results;
-}
-
-at::Tensor clip_by_tensor_norm_inplace_or_view(c10::DispatchKeySet ks, at::TensorList tensors, double max_norm,
-    c10::string_view nonfinite) {
-  at::Tensor norms;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    norms = op_handles::clip_by_tensor_norm_().redispatch(ks & c10::after_ADInplaceOrView_keyset, tensors, max_norm,
-        nonfinite);
-  }
-  bump_versions(tensors);
-  return norms;
-}
-
-void unitwise_clip_inplace_or_view(c10::DispatchKeySet ks, at::TensorList grads, at::TensorList params,
-    double clip_factor, double eps, double norm_type) {
-  redispatch_then_bump(op_handles::unitwise_clip_(), ks, grads, grads, params, clip_factor, eps, norm_type);
+// Every op that writes its arguments: visit(name, its Writes, whether it has an ADInplaceOrView kernel).
+template <typename Visit>
+void for_each_writing_op(const Visit& visit) {
+  visit("multi_tensor_scale_", Writes<op_handles::multi_tensor_scale_, 0>{}, kWithInplaceOrView);
+  visit("multi_tensor_clamp_", Writes<op_handles::multi_tensor_clamp_, 0>{}, kWithInplaceOrView);
+  visit("clip_grad_norm_", Writes<op_handles::clip_grad_norm_, 0>{}, kWithInplaceOrView);
+  visit("clip_by_tensor_norm_", Writes<op_handles::clip_by_tensor_norm_, 0>{}, kWithInplaceOrView);
+  visit("unitwise_clip_", Writes<op_handles::unitwise_clip_, 0>{}, kWithInplaceOrView);
+  // params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps; bumped whether or not the kernels
+  // stepped: reading the flag here would be data-dependent under tracing, and an extra bump only says
+  // "maybe modified".
+  visit("adam_step_", Writes<op_handles::adam_step_, 0, 2, 3, 4, 5>{}, kAutogradOnly);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchclip, ADInplaceOrView, m) {
-  m.impl("multi_tensor_scale_", &multi_tensor_scale_inplace_or_view);
-  m.impl("multi_tensor_clamp_", &multi_tensor_clamp_inplace_or_view);
-  m.impl("clip_grad_norm_", &clip_grad_norm_inplace_or_view);
-  m.impl("clip_by_tensor_norm_", &clip_by_tensor_norm_inplace_or_view);
-  m.impl("unitwise_clip_", &unitwise_clip_inplace_or_view);
+  for_each_writing_op([&](const char* name, auto kernels, auto with_inplace_or_view) {
+    if constexpr (decltype(with_inplace_or_view)::value) {
+      m.impl(name, &decltype(kernels)::inplace_or_view);
+    }
+  });
 }
 
 TORCH_LIBRARY_IMPL(torchclip, Autograd, m) {
   // Reads only, and its outputs carry no gradient history: nothing for autograd to do.
   m.impl("multi_tensor_norm", torch::CppFunction::makeFallthrough());
-  m.impl("multi_tensor_scale_", &multi_tensor_scale_autograd);
-  m.impl("multi_tensor_clamp_", &multi_tensor_clamp_autograd);
-  m.impl("clip_grad_norm_", &clip_grad_norm_autograd);
-  m.impl("clip_by_tensor_norm_", &clip_by_tensor_norm_autograd);
-  m.impl("unitwise_clip_", &unitwise_clip_autograd);
-  m.impl("adam_step_", &adam_step_autograd);
+  for_each_writing_op([&](const char* name, auto kernels, auto /*with_inplace_or_view*/) {
+    m.impl(name, &decltype(kernels)::autograd);
+  });
 }
 
 }  // namespace torchclip

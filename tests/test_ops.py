@@ -1,6 +1,7 @@
 """The torchclip ops themselves: opcheck, fakes, every compiled CPU path, rounding, determinism."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -205,6 +206,94 @@ def test_neg_bit_views(cpu_capability):
     expected = conjugated.resolve_conj() * 0.5
     _ops.multi_tensor_scale_([conjugated, negated], torch.tensor(0.5))
     assert torch.equal(conjugated.resolve_conj(), expected)
+
+
+# ---- lazily negated and conjugated views: every op falls through to its kernel (ops.cpp) -------------
+
+
+def _viewed(kind, shape, seed):
+    """A lazily negated (float32) or conjugated (complex64) view, as kind is "neg" or "conj"."""
+    if kind == "neg":
+        return torch._neg_view(make_tensor(shape, torch.float32, seed))
+    return torch.complex(make_tensor(shape, torch.float32, seed), make_tensor(shape, torch.float32, seed + 100)).conj()
+
+
+def _materialised(value):
+    """`value` with every tensor in it a plain copy holding what the view reads as."""
+    if isinstance(value, torch.Tensor):
+        return value.resolve_neg().resolve_conj().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_materialised(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _materialised(v) for k, v in value.items()}
+    return value
+
+
+def _assert_same(actual, expected):
+    if isinstance(expected, torch.Tensor):
+        torch.testing.assert_close(actual, expected, equal_nan=True)
+    elif isinstance(expected, (list, tuple)):
+        assert type(actual) is type(expected) and len(actual) == len(expected)
+        for a, e in zip(actual, expected):
+            _assert_same(a, e)
+    elif isinstance(expected, dict):
+        assert actual.keys() == expected.keys()
+        for k in expected:
+            _assert_same(actual[k], expected[k])
+    else:
+        assert actual == expected
+
+
+def _listed(kind, shape=(17,), seed=1):
+    """A list of a view and a plain float32 tensor."""
+    return [_viewed(kind, shape, seed), make_tensor((5,), torch.float32, seed + 1)]
+
+
+def _adam_lists(kind):
+    dtype = torch.float32 if kind == "neg" else torch.complex64
+    params, grads = _listed(kind, (5, 7)), _listed(kind, (5, 7), seed=3)
+    zeros = [torch.zeros(5, 7, dtype=dtype), torch.zeros(5)]
+    return (params, grads, zeros, [z.clone() for z in zeros], [], [torch.tensor(0.0), torch.tensor(4.0)]), {
+        "lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.1, "eps": 1e-8, "amsgrad": False,
+        "maximize": False, "decoupled_weight_decay": True, "grad_scale": torch.tensor(2.0)}
+
+
+# Each op's arguments (args, kwargs) with a view of `kind` in every tensor list, against which
+# test_views_fall_through runs the op and the op on materialised copies. One entry per op
+# (tests/test_op_registry.py checks).
+NEG_CONJ_CASES = {
+    "multi_tensor_norm": lambda kind: ((_listed(kind), 2.0, False), {}),
+    "multi_tensor_scale_": lambda kind: ((_listed(kind), torch.tensor(0.5)), {}),
+    "multi_tensor_clamp_": lambda kind: ((_listed(kind), -0.5, 0.2), {}),
+    "clip_grad_norm_": lambda kind: ((_listed(kind), 0.1, 2.0, False), {}),
+    "clip_by_tensor_norm_": lambda kind: ((_listed(kind), 0.5), {}),
+    "unitwise_clip_": lambda kind: ((_listed(kind, (5, 7)), _listed(kind, (5, 7), seed=3), 0.01, 1e-3, 2.0), {}),
+    "adam_step_": _adam_lists,
+}
+
+
+@pytest.mark.parametrize("kind", ["neg", "conj"])
+@pytest.mark.parametrize("name", sorted(NEG_CONJ_CASES))
+def test_views_fall_through(cpu_capability, name, kind):
+    # The dispatcher's own Negative/Conjugate fallbacks would copy the views, and refuse them in a
+    # mutable list; the ops take them as they are and must read (and write) what the views hold.
+    op = getattr(torch.ops.torchclip, name)
+    args, kwargs = NEG_CONJ_CASES[name](kind)
+    copies, copy_kwargs = _materialised(args), _materialised(kwargs)
+    before = _materialised(args)
+    try:
+        expected = op(*copies, **copy_kwargs)
+    except RuntimeError as error:  # refused (complex where the op takes real tensors): the same words
+        with pytest.raises(type(error), match=re.escape(str(error).splitlines()[0])):
+            op(*args, **kwargs)
+        _assert_same(_materialised(args), before)
+        return
+    result = op(*args, **kwargs)
+    if name == "adam_step_" and not result:  # declined, for the caller to take torch's step: nothing written
+        _assert_same(_materialised(args), before)
+        return
+    _assert_same(result, expected)
+    _assert_same(_materialised(args), copies)
 
 
 def test_clip_by_tensor_norm(cpu_capability):

@@ -53,7 +53,7 @@ _torch_clip_grad_value_ = _torch_clip_grad.clip_grad_value_
 
 
 def _readable(tensors: _tensor_or_tensors) -> Tensor | Sequence[Tensor]:
-    """What the fast path reads (csrc/python_module.cpp, items_of): a list, a tuple or one tensor as it
+    """What the fast path reads (csrc/walk/param_walk.cpp, items_of): a list, a tuple or one tensor as it
     is; any other iterable (model.parameters(), a generator, as Lightning, timm and accelerate pass it;
     a list or tuple subclass) drained once into a list, so no path reads it twice."""
     if type(tensors) is list or type(tensors) is tuple or isinstance(tensors, Tensor):

@@ -157,18 +157,18 @@ at::Tensor total_of_norms(const std::vector<double>& norms, const Split& split, 
 
 }  // namespace
 
-at::Tensor total_norm_split(at::TensorList tensors, const Split& split, double ord, bool error_if_nonfinite) {
+at::Tensor total_norm_cpu_split(at::TensorList tensors, const Split& split, double ord, bool error_if_nonfinite) {
   return total_of_norms(tensor_norms_wide(tensors, split, ord, "torchclip.multi_tensor_norm"), split, ord,
       error_if_nonfinite);
 }
 
-std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_split(at::TensorList tensors, const Split& split, double ord,
+std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_cpu_split(at::TensorList tensors, const Split& split, double ord,
     bool error_if_nonfinite) {
   const std::vector<double> norms = tensor_norms_wide(tensors, split, ord, "torchclip.multi_tensor_norm");
   return {total_of_norms(norms, split, ord, error_if_nonfinite), float64_vector(norms)};
 }
 
-void multi_tensor_clamp_split(at::TensorList tensors, const Split& split, double min, double max) {
+void multi_tensor_clamp_cpu_split(at::TensorList tensors, const Split& split, double min, double max) {
   constexpr const char* op = "torchclip.multi_tensor_clamp_";
   check_clampable(tensors, split.aten_path, op);
   if (may_overlap(split.spans.data(), split.spans.size(), tensors, split.aten_path)) {
@@ -184,7 +184,7 @@ void multi_tensor_clamp_split(at::TensorList tensors, const Split& split, double
   }
 }
 
-at::Tensor clip_grad_norm_split(at::TensorList grads, const Split& split, double max_norm, double norm_type,
+at::Tensor clip_grad_norm_cpu_split(at::TensorList grads, const Split& split, double max_norm, double norm_type,
     bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite,
     NormClipStats* stats) {
   constexpr const char* op = "torchclip.clip_grad_norm_";
@@ -208,7 +208,7 @@ at::Tensor clip_grad_norm_split(at::TensorList grads, const Split& split, double
   return scalar_in_dtype(total, dtype);
 }
 
-at::Tensor clip_by_tensor_norm_split(at::TensorList tensors, const Split& split, double max_norm,
+at::Tensor clip_by_tensor_norm_cpu_split(at::TensorList tensors, const Split& split, double max_norm,
     c10::string_view nonfinite) {
   constexpr const char* op = "torchclip.clip_by_tensor_norm_";
   const NonFinite policy = parse_nonfinite(nonfinite, op);
@@ -249,7 +249,7 @@ namespace {
 
 // The dispatcher's CPU kernels: split, then the shared implementations above.
 std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_cpu(at::TensorList tensors, double ord, bool error_if_nonfinite) {
-  return multi_tensor_norm_split(tensors, split_tensors(tensors, "torchclip.multi_tensor_norm"), ord,
+  return multi_tensor_norm_cpu_split(tensors, split_tensors(tensors, "torchclip.multi_tensor_norm"), ord,
       error_if_nonfinite);
 }
 
@@ -290,21 +290,21 @@ void multi_tensor_scale_cpu(at::TensorList tensors, const at::Tensor& scale) {
 
 void multi_tensor_clamp_cpu(at::TensorList tensors, double min, double max) {
   check_not_inference(tensors, "torchclip.multi_tensor_clamp_");
-  multi_tensor_clamp_split(tensors, split_tensors(tensors, "torchclip.multi_tensor_clamp_"), min, max);
+  multi_tensor_clamp_cpu_split(tensors, split_tensors(tensors, "torchclip.multi_tensor_clamp_"), min, max);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> clip_grad_norm_cpu(at::TensorList grads, double max_norm,
     double norm_type, bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite) {
   check_not_inference(grads, "torchclip.clip_grad_norm_");
   NormClipStats stats;
-  at::Tensor total = clip_grad_norm_split(grads, split_tensors(grads, "torchclip.clip_grad_norm_"), max_norm,
+  at::Tensor total = clip_grad_norm_cpu_split(grads, split_tensors(grads, "torchclip.clip_grad_norm_"), max_norm,
       norm_type, error_if_nonfinite, eps, norm_at_least_float32, nonfinite, &stats);
   return {std::move(total), std::move(stats.norms), std::move(stats.coefficient)};
 }
 
 at::Tensor clip_by_tensor_norm_cpu(at::TensorList tensors, double max_norm, c10::string_view nonfinite) {
   check_not_inference(tensors, "torchclip.clip_by_tensor_norm_");
-  return clip_by_tensor_norm_split(tensors, split_tensors(tensors, "torchclip.clip_by_tensor_norm_"), max_norm,
+  return clip_by_tensor_norm_cpu_split(tensors, split_tensors(tensors, "torchclip.clip_by_tensor_norm_"), max_norm,
       nonfinite);
 }
 

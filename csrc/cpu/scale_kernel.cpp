@@ -2,9 +2,11 @@
 //
 // Rounding follows torch's CPU mul_ by a 0-d tensor: 16/32-bit data is multiplied in float32 by the
 // coefficient rounded to float32, then rounded once (to nearest even) into the storage type; float64
-// data is multiplied in float64. The one exception: a coefficient that is subnormal in float32. A coefficient that rounds to exactly 1 leaves every element as it is
-// (x * 1 == x for every x, NaN included), so that tensor is not read or written at all: clipping
-// that is not needed costs no write pass.
+// data is multiplied in float64. The one exception: a coefficient that is subnormal in float32 keeps
+// only a few bits there, so 16/32-bit data is multiplied by it in float64 instead (scale_span.h).
+// A coefficient that rounds to exactly 1 leaves every element as it is (x * 1 == x for every x, NaN
+// included), so that tensor is not read or written at all: clipping that is not needed costs no write
+// pass.
 #include <vector>
 
 #include "kernels.h"

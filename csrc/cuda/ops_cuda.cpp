@@ -31,6 +31,7 @@
 #include "cuda_split_ops.h"
 #include "norm_total.h"  // norm_order: the same classification of p as the CPU ops
 #include "op_shared.h"
+#include "split.h"  // the walk's Split, which the overloads at the end take
 
 namespace torchclip {
 namespace {
@@ -204,12 +205,13 @@ void apply_in_place(at::TensorList tensors, const std::vector<DeviceSpan>& spans
   }
 }
 
-// Each op below in two parts, as the CPU ops (cpu/ops_cpu.h): *_on takes a split list, from the op's
-// own split_tensors (the dispatcher's route) or from the walk (CudaSplitOps, the fast path's).
+// Each op below in two parts, as the CPU ops (cpu/ops_cpu.h): <op>_cuda_split takes a split list, from
+// the dispatcher kernel <op>_cuda's split_tensors, or from the walk (the overloads on the walk's Split
+// at the end, which CudaSplitOps holds).
 constexpr const char* kNormOp = "torchclip.multi_tensor_norm";
 
-std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_on(at::TensorList tensors, const DeviceSplit& split, double ord,
-    bool error_if_nonfinite) {
+std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_cuda_split(at::TensorList tensors, const DeviceSplit& split,
+    double ord, bool error_if_nonfinite) {
   const c10::cuda::CUDAGuard guard(split.device);
   const cudaStream_t stream = current_stream();
   const at::Tensor norms = tensor_norms(tensors, split, ord, kNormOp, stream);
@@ -224,7 +226,7 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_on(at::TensorList tensors, 
 
 std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_cuda(at::TensorList tensors, double ord, bool error_if_nonfinite) {
   const c10::Device device = op_device(tensors, nullptr);
-  return multi_tensor_norm_on(tensors, split_tensors(tensors, kNormOp, device), ord, error_if_nonfinite);
+  return multi_tensor_norm_cuda_split(tensors, split_tensors(tensors, kNormOp, device), ord, error_if_nonfinite);
 }
 
 void multi_tensor_scale_cuda(at::TensorList tensors, const at::Tensor& scale) {
@@ -269,7 +271,7 @@ void multi_tensor_scale_cuda(at::TensorList tensors, const at::Tensor& scale) {
 
 constexpr const char* kClampOp = "torchclip.multi_tensor_clamp_";
 
-void multi_tensor_clamp_on(at::TensorList tensors, const DeviceSplit& split, double min, double max) {
+void multi_tensor_clamp_cuda_split(at::TensorList tensors, const DeviceSplit& split, double min, double max) {
   const c10::cuda::CUDAGuard guard(split.device);
   check_clampable(tensors, split.aten_path, kClampOp);
   apply_in_place(tensors, split.spans, split.aten_path,
@@ -280,13 +282,14 @@ void multi_tensor_clamp_on(at::TensorList tensors, const DeviceSplit& split, dou
 void multi_tensor_clamp_cuda(at::TensorList tensors, double min, double max) {
   check_not_inference(tensors, kClampOp);
   const c10::Device device = op_device(tensors, nullptr);
-  multi_tensor_clamp_on(tensors, split_tensors(tensors, kClampOp, device), min, max);
+  multi_tensor_clamp_cuda_split(tensors, split_tensors(tensors, kClampOp, device), min, max);
 }
 
 constexpr const char* kClipGradNormOp = "torchclip.clip_grad_norm_";
 
-at::Tensor clip_grad_norm_on(at::TensorList grads, const DeviceSplit& split, double max_norm, double norm_type,
-    bool error_if_nonfinite, double eps, bool norm_at_least_float32, NonFinite policy, NormClipStats* stats) {
+at::Tensor clip_grad_norm_cuda_split(at::TensorList grads, const DeviceSplit& split, double max_norm,
+    double norm_type, bool error_if_nonfinite, double eps, bool norm_at_least_float32, NonFinite policy,
+    NormClipStats* stats) {
   constexpr const char* op = kClipGradNormOp;
   const c10::cuda::CUDAGuard guard(split.device);
   check_writable(grads, split.aten_path, op);
@@ -322,14 +325,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> clip_grad_norm_cuda(at::TensorLis
   const c10::Device device = op_device(grads, nullptr);
   check_not_inference(grads, kClipGradNormOp);
   NormClipStats stats;
-  at::Tensor total = clip_grad_norm_on(grads, split_tensors(grads, kClipGradNormOp, device), max_norm, norm_type,
-      error_if_nonfinite, eps, norm_at_least_float32, policy, &stats);
+  at::Tensor total = clip_grad_norm_cuda_split(grads, split_tensors(grads, kClipGradNormOp, device), max_norm,
+      norm_type, error_if_nonfinite, eps, norm_at_least_float32, policy, &stats);
   return {std::move(total), std::move(stats.norms), std::move(stats.coefficient)};
 }
 
 constexpr const char* kClipByTensorNormOp = "torchclip.clip_by_tensor_norm_";
 
-at::Tensor clip_by_tensor_norm_on(at::TensorList tensors, const DeviceSplit& split, double max_norm,
+at::Tensor clip_by_tensor_norm_cuda_split(at::TensorList tensors, const DeviceSplit& split, double max_norm,
     NonFinite policy) {
   constexpr const char* op = kClipByTensorNormOp;
   const c10::cuda::CUDAGuard guard(split.device);
@@ -379,35 +382,36 @@ at::Tensor clip_by_tensor_norm_cuda(at::TensorList tensors, double max_norm, c10
   const NonFinite policy = parse_nonfinite(nonfinite, kClipByTensorNormOp);
   const c10::Device device = op_device(tensors, nullptr);
   check_not_inference(tensors, kClipByTensorNormOp);
-  return clip_by_tensor_norm_on(tensors, split_tensors(tensors, kClipByTensorNormOp, device), max_norm, policy);
+  return clip_by_tensor_norm_cuda_split(tensors, split_tensors(tensors, kClipByTensorNormOp, device), max_norm,
+      policy);
 }
 
-// ---- the walk's entry points (CudaSplitOps) -----------------------------------------------------
+// ---- the same on the walk's Split (CudaSplitOps: the fast path's entries) -----------------------
 
-at::Tensor total_norm_walked(at::TensorList tensors, const Split& walked, double ord, bool error_if_nonfinite) {
-  return std::get<0>(multi_tensor_norm_on(tensors, from_walk(tensors, walked), ord, error_if_nonfinite));
+at::Tensor total_norm_cuda_split(at::TensorList tensors, const Split& walked, double ord, bool error_if_nonfinite) {
+  return std::get<0>(multi_tensor_norm_cuda_split(tensors, from_walk(tensors, walked), ord, error_if_nonfinite));
 }
 
-at::Tensor clip_grad_norm_walked(at::TensorList grads, const Split& walked, double max_norm, double norm_type,
+at::Tensor clip_grad_norm_cuda_split(at::TensorList grads, const Split& walked, double max_norm, double norm_type,
     bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite,
     NormClipStats* stats) {
   const NonFinite policy = parse_nonfinite(nonfinite, kClipGradNormOp);
-  return clip_grad_norm_on(grads, from_walk(grads, walked), max_norm, norm_type, error_if_nonfinite, eps,
+  return clip_grad_norm_cuda_split(grads, from_walk(grads, walked), max_norm, norm_type, error_if_nonfinite, eps,
       norm_at_least_float32, policy, stats);
 }
 
-at::Tensor clip_by_tensor_norm_walked(at::TensorList tensors, const Split& walked, double max_norm,
+at::Tensor clip_by_tensor_norm_cuda_split(at::TensorList tensors, const Split& walked, double max_norm,
     c10::string_view nonfinite) {
   const NonFinite policy = parse_nonfinite(nonfinite, kClipByTensorNormOp);
-  return clip_by_tensor_norm_on(tensors, from_walk(tensors, walked), max_norm, policy);
+  return clip_by_tensor_norm_cuda_split(tensors, from_walk(tensors, walked), max_norm, policy);
 }
 
-void clamp_walked(at::TensorList tensors, const Split& walked, double min, double max) {
-  multi_tensor_clamp_on(tensors, from_walk(tensors, walked), min, max);
+void multi_tensor_clamp_cuda_split(at::TensorList tensors, const Split& walked, double min, double max) {
+  multi_tensor_clamp_cuda_split(tensors, from_walk(tensors, walked), min, max);
 }
 
-const CudaSplitOps kSplitOps{&total_norm_walked, &clip_grad_norm_walked, &clip_by_tensor_norm_walked,
-    &clamp_walked};
+const CudaSplitOps kSplitOps{&total_norm_cuda_split, &clip_grad_norm_cuda_split, &clip_by_tensor_norm_cuda_split,
+    &multi_tensor_clamp_cuda_split};
 
 }  // namespace
 

@@ -90,7 +90,7 @@ py::object total_norm_of_plain(py::handle tensors, py::handle norm_type_arg, py:
   }
   return wrap(run(gathered, "torchclip::multi_tensor_norm",
       [&](at::TensorList list, const Split& split) {
-        return total_norm_split(list, split, *norm_type, nonfinite_raises);
+        return total_norm_cpu_split(list, split, *norm_type, nonfinite_raises);
       },
       [&](const CudaSplitOps& cuda, at::TensorList list, const Split& split) {
         return cuda.total_norm(list, split, *norm_type, nonfinite_raises);
@@ -110,11 +110,11 @@ py::object clip_grad_norm_of_plain(py::handle parameters, py::handle max_norm_ar
   NormClipStats* const kept = keep_stats ? &stats : nullptr;
   at::Tensor total = run(grads, "torchclip::clip_grad_norm_",
       [&](at::TensorList list, const Split& split) {
-        return clip_grad_norm_split(list, split, *max_norm, *norm_type, nonfinite_raises, eps, norm_at_least_float32,
-            nonfinite, kept);
+        return clip_grad_norm_cpu_split(list, split, *max_norm, *norm_type, nonfinite_raises, eps,
+            norm_at_least_float32, nonfinite, kept);
       },
       [&](const CudaSplitOps& cuda, at::TensorList list, const Split& split) {
-        return cuda.clip_grad_norm(list, split, *max_norm, *norm_type, nonfinite_raises, eps, norm_at_least_float32,
+        return cuda.clip_grad_norm_(list, split, *max_norm, *norm_type, nonfinite_raises, eps, norm_at_least_float32,
             nonfinite, kept);
       });
   grads.bump_versions();
@@ -132,10 +132,10 @@ py::object clip_by_tensor_norm_of_plain(py::handle parameters, double max_norm, 
   }
   at::Tensor norms = run(grads, "torchclip::clip_by_tensor_norm_",
       [&](at::TensorList list, const Split& split) {
-        return clip_by_tensor_norm_split(list, split, max_norm, nonfinite);
+        return clip_by_tensor_norm_cpu_split(list, split, max_norm, nonfinite);
       },
       [&](const CudaSplitOps& cuda, at::TensorList list, const Split& split) {
-        return cuda.clip_by_tensor_norm(list, split, max_norm, nonfinite);
+        return cuda.clip_by_tensor_norm_(list, split, max_norm, nonfinite);
       });
   grads.bump_versions();
   return wrap(std::move(norms));
@@ -148,9 +148,9 @@ bool clamp_grads_of_plain(py::handle parameters, double min, double max, bool ho
   }
   if (!grads.empty()) {
     run(grads, "torchclip::multi_tensor_clamp_",
-        [&](at::TensorList list, const Split& split) { multi_tensor_clamp_split(list, split, min, max); },
+        [&](at::TensorList list, const Split& split) { multi_tensor_clamp_cpu_split(list, split, min, max); },
         [&](const CudaSplitOps& cuda, at::TensorList list, const Split& split) {
-          cuda.clamp(list, split, min, max);
+          cuda.multi_tensor_clamp_(list, split, min, max);
         });
     grads.bump_versions();
   }

@@ -1,6 +1,6 @@
 // The parameter walk: one C++ pass over a Python list of parameters (or tensors) that gathers their
 // gradients (or themselves), checks that the ops' implementations may be called on them directly, and
-// files them into the Split those implementations take (cpu/ops_cpu.h; CUDA's, cuda_split_ops.h).
+// files them into the Split those implementations take on every device (split.h).
 //
 // Why a walk in C++ at all: reading .grad from Python costs ~55 ns per parameter, and the dispatcher's
 // list handling (key sets, refcounts, a second walk to split, the Autograd kernel's version bumps)
@@ -21,7 +21,7 @@
 #include <optional>
 #include <vector>
 
-#include "cpu/ops_cpu.h"
+#include "split.h"
 
 namespace torchclip::walk {
 
