@@ -104,38 +104,30 @@ template <auto handle, size_t... written>
 using Writes =
     WritingKernels<handle, typename SignatureOf<std::decay_t<decltype(handle())>>::type, written...>;
 
-// Whether an op's writes under inference mode bump versions too (an ADInplaceOrView kernel).
-constexpr std::true_type kWithInplaceOrView{};
-constexpr std::false_type kAutogradOnly{};
-
-// Every op that writes its arguments: visit(name, its Writes, whether it has an ADInplaceOrView kernel).
+// Every op that writes its arguments: visit(name, its Writes).
 template <typename Visit>
 void for_each_writing_op(const Visit& visit) {
-  visit("multi_tensor_scale_", Writes<op_handles::multi_tensor_scale_, 0>{}, kWithInplaceOrView);
-  visit("multi_tensor_clamp_", Writes<op_handles::multi_tensor_clamp_, 0>{}, kWithInplaceOrView);
-  visit("clip_grad_norm_", Writes<op_handles::clip_grad_norm_, 0>{}, kWithInplaceOrView);
-  visit("clip_by_tensor_norm_", Writes<op_handles::clip_by_tensor_norm_, 0>{}, kWithInplaceOrView);
-  visit("unitwise_clip_", Writes<op_handles::unitwise_clip_, 0>{}, kWithInplaceOrView);
+  visit("multi_tensor_scale_", Writes<op_handles::multi_tensor_scale_, 0>{});
+  visit("multi_tensor_clamp_", Writes<op_handles::multi_tensor_clamp_, 0>{});
+  visit("clip_grad_norm_", Writes<op_handles::clip_grad_norm_, 0>{});
+  visit("clip_by_tensor_norm_", Writes<op_handles::clip_by_tensor_norm_, 0>{});
+  visit("unitwise_clip_", Writes<op_handles::unitwise_clip_, 0>{});
   // params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps; bumped whether or not the kernels
   // stepped: reading the flag here would be data-dependent under tracing, and an extra bump only says
   // "maybe modified".
-  visit("adam_step_", Writes<op_handles::adam_step_, 0, 2, 3, 4, 5>{}, kAutogradOnly);
+  visit("adam_step_", Writes<op_handles::adam_step_, 0, 2, 3, 4, 5>{});
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchclip, ADInplaceOrView, m) {
-  for_each_writing_op([&](const char* name, auto kernels, auto with_inplace_or_view) {
-    if constexpr (decltype(with_inplace_or_view)::value) {
-      m.impl(name, &decltype(kernels)::inplace_or_view);
-    }
-  });
+  for_each_writing_op([&](const char* name, auto kernels) { m.impl(name, &decltype(kernels)::inplace_or_view); });
 }
 
 TORCH_LIBRARY_IMPL(torchclip, Autograd, m) {
   // Reads only, and its outputs carry no gradient history: nothing for autograd to do.
   m.impl("multi_tensor_norm", torch::CppFunction::makeFallthrough());
-  for_each_writing_op([&](const char* name, auto kernels, auto /*with_inplace_or_view*/) {
+  for_each_writing_op([&](const char* name, auto kernels) {
     m.impl(name, &decltype(kernels)::autograd);
   });
 }

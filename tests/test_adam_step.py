@@ -184,3 +184,17 @@ def test_kill_switch_runs_torchs_own_step():
             "assert torch.allclose(p.grad, torch.full((3,), 3 ** -0.5))\n")  # written back by torch's kernel
     environment = {**os.environ, "TORCHCLIP_READ_ONLY_ADAM": "0"}
     subprocess.run([sys.executable, "-c", code], check=True, env=environment)
+
+
+def test_a_step_under_inference_mode_bumps_what_it_writes():
+    """As torch's foreach step does (its fused kernel bumps nothing): a graph that saved a parameter or a
+    state tensor notices the write, in inference mode too (the ADInplaceOrView kernel)."""
+    ours = state(torch.float32, amsgrad=True)
+    before = [[t._version for t in tensors] for tensors in ours]
+    hyperparameters = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0, "eps": 1e-8, "amsgrad": True,
+                       "maximize": False}
+    with torch.inference_mode():
+        assert _ops.adam_step_(*ours, decoupled_weight_decay=True, **hyperparameters)
+    for which, tensors in enumerate(ours):
+        bumped = [t._version > v for t, v in zip(tensors, before[which])]
+        assert all(bumped) if which != 1 else not any(bumped), which  # the gradients are only read

@@ -16,11 +16,6 @@ from torchclip import _ops
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 OPS = sorted(name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("torchclip::"))
 
-# The Python wrapper of each op is _ops.<op>, but for this one (clip.py and the tests' kernel spy call it).
-WRAPPERS = {"clip_grad_norm_": "clip_grad_norm_tensors_"}
-# Writing ops whose writes under inference mode bump no version (no ADInplaceOrView kernel: ops_autograd.cpp).
-WITHOUT_INPLACE_OR_VIEW = {"adam_step_"}
-
 
 def has_kernel(name, key):
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"torchclip::{name}", key)
@@ -48,7 +43,7 @@ def test_op_is_registered_for_every_key(name):
     assert has_kernel(name, "Autograd"), "no Autograd kernel (ops_autograd.cpp)"
     if writes(name):
         assert not falls_through(name, "Autograd"), "a writing op needs ops_autograd.cpp's checks and bumps"
-        assert has_kernel(name, "ADInplaceOrView") == (name not in WITHOUT_INPLACE_OR_VIEW), (
+        assert has_kernel(name, "ADInplaceOrView"), (
             "a writing op bumps versions under inference mode too (ops_autograd.cpp, for_each_writing_op)")
     else:
         assert falls_through(name, "Autograd"), "a read-only op falls through Autograd"
@@ -57,7 +52,7 @@ def test_op_is_registered_for_every_key(name):
 @pytest.mark.parametrize("name", OPS)
 def test_op_has_its_handle_wrapper_and_tests(name):
     assert f'"torchclip::{name}"' in (CSRC / "op_handles.h").read_text(), "no op_handles.h accessor"
-    assert callable(getattr(_ops, WRAPPERS.get(name, name), None)), "no wrapper in torchclip/_ops.py"
+    assert callable(getattr(_ops, name, None)), "no wrapper in torchclip/_ops.py"
     assert name in OPCHECK_CASES, "no OPCHECK_CASES entry (tests/test_ops.py)"
     assert name in NEG_CONJ_CASES, "no NEG_CONJ_CASES entry (tests/test_ops.py)"
 

@@ -123,7 +123,7 @@ def assert_norm_close(total: torch.Tensor, reference: float, what: str = "", inp
 # one of them; they are read as `_ops.NAME` at call time, so a spy there sees every call.
 _FAST_PATHS = ("clip_grad_norm_of_plain", "clip_by_tensor_norm_of_plain", "clamp_grads_of_plain",
                "clip_grad_value_of_plain", "total_norm_of_plain")
-_GENERAL_OPS = ("clip_grad_norm_tensors_", "clip_by_tensor_norm_", "multi_tensor_clamp_", "multi_tensor_scale_",
+_GENERAL_OPS = ("clip_grad_norm_", "clip_by_tensor_norm_", "multi_tensor_clamp_", "multi_tensor_scale_",
                 "multi_tensor_norm")
 _NORM_ONLY = ("total_norm_of_plain", "multi_tensor_norm")  # compute a norm, change no gradient
 

@@ -142,7 +142,7 @@ def _multi_tensor_clamp_fake(tensors, min, max):
     return None
 
 
-def clip_grad_norm_tensors_(
+def clip_grad_norm_(
     grads: Sequence[torch.Tensor],
     max_norm: float,
     norm_type: float,

@@ -268,7 +268,7 @@ class ClipGradByGlobalNorm(ClipGradBase):
         if not grads:
             return
         if _ops.kernels_serve(grads):
-            self._keep(*_ops.clip_grad_norm_tensors_(grads, self.clip_norm, 2.0, False, eps=0.0,
+            self._keep(*_ops.clip_grad_norm_(grads, self.clip_norm, 2.0, False, eps=0.0,
                                                      norm_at_least_float32=True, nonfinite=self.nonfinite))
             self._record(self.last_global_norm)
             return

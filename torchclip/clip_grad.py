@@ -255,7 +255,7 @@ def _clip_grad_norm_general(parameters, grads, max_norm: float, norm_type: float
         return _clip_shards(_shards.hand_shards(grads, params, process_group), max_norm, norm_type,
                             error_if_nonfinite, _ops.total_norm_dtype(grads))
     if grads and _ops.kernels_serve(grads):
-        return _ops.clip_grad_norm_tensors_(grads, max_norm, norm_type, error_if_nonfinite)[0]
+        return _ops.clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite)[0]
     shards = _shards.dtensor_shards(grads)
     if shards is not None:  # FSDP2 / DTensor gradients: their local shards, one collective
         return _clip_shards(shards, max_norm, norm_type, error_if_nonfinite, _ops.total_norm_dtype(grads))
