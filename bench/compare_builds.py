@@ -54,7 +54,9 @@ def main(argv=None) -> int:
                     torch_times.setdefault(key(row), []).append(row["torch_ms"])
                 print(f"pair {pair + 1}/{args.pairs}: {build} done", file=sys.stderr, flush=True)
     print(f"baseline {trees['baseline']}\ncandidate {trees['candidate']}\n{args.pairs} pairs, medians\n")
-    print("| workload | op | dtype | threads | baseline ms | candidate ms | candidate / baseline | torch ms (min-max) |")
+    print(
+        "| workload | op | dtype | threads | baseline ms | candidate ms | candidate / baseline | torch ms (min-max) |"
+    )
     print("|---|---|---|---|---:|---:|---:|---|")
     for row_key in times["baseline"]:
         base, cand = times["baseline"][row_key], times["candidate"].get(row_key)
@@ -62,8 +64,10 @@ def main(argv=None) -> int:
             continue
         ratio = statistics.median(c / b for b, c in zip(base, cand))
         torch_ms = torch_times[row_key]
-        print(f"| {' | '.join(str(k) for k in row_key)} | {statistics.median(base):.3f} | "
-              f"{statistics.median(cand):.3f} | {ratio:.3f} | {min(torch_ms):.1f}-{max(torch_ms):.1f} |")
+        print(
+            f"| {' | '.join(str(k) for k in row_key)} | {statistics.median(base):.3f} | "
+            f"{statistics.median(cand):.3f} | {ratio:.3f} | {min(torch_ms):.1f}-{max(torch_ms):.1f} |"
+        )
     return 0
 
 

@@ -83,7 +83,9 @@ def report(workload, with_breakdown=False):
     ops = torch.ops.torchclip
     cases = {
         "clip_grad_norm_ (drop-in)": lambda: torchclip.clip_grad_norm_(g.params, 1e9),
-        "clip_grad_norm_ (op on a list)": lambda: ops.clip_grad_norm_(g.grads, 1e9, 2.0, False, 1e-6, False, "propagate"),
+        "clip_grad_norm_ (op on a list)": lambda: ops.clip_grad_norm_(
+            g.grads, 1e9, 2.0, False, 1e-6, False, "propagate"
+        ),
         "get_total_norm (drop-in)": lambda: torchclip.get_total_norm(g.grads),
         "multi_tensor_norm (op on a list)": lambda: ops.multi_tensor_norm(g.grads, 2.0, False),
         "clip_grad_value_ (drop-in)": lambda: torchclip.clip_grad_value_(g.params, 1e9),

@@ -19,8 +19,8 @@ struct CudaSplitOps {
   at::Tensor (*clip_grad_norm_)(at::TensorList grads, const Split& split, double max_norm, double norm_type,
       bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite,
       NormClipStats* stats);
-  at::Tensor (*clip_by_tensor_norm_)(at::TensorList tensors, const Split& split, double max_norm,
-      c10::string_view nonfinite);
+  at::Tensor (
+      *clip_by_tensor_norm_)(at::TensorList tensors, const Split& split, double max_norm, c10::string_view nonfinite);
   void (*multi_tensor_clamp_)(at::TensorList tensors, const Split& split, double min, double max);
 };
 

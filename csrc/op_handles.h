@@ -3,8 +3,8 @@
 // (ops_autograd.cpp) redispatch through them.
 #pragma once
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/string_view.h>
 
 #include <optional>
@@ -18,8 +18,8 @@ c10::TypedOperatorHandle<Signature> find(const char* name) {
 }
 
 inline const auto& multi_tensor_norm() {
-  static const auto op = find<std::tuple<at::Tensor, at::Tensor>(at::TensorList, double, bool)>(
-      "torchclip::multi_tensor_norm");
+  static const auto op =
+      find<std::tuple<at::Tensor, at::Tensor>(at::TensorList, double, bool)>("torchclip::multi_tensor_norm");
   return op;
 }
 
@@ -40,8 +40,7 @@ inline const auto& clip_grad_norm_() {
 }
 
 inline const auto& clip_by_tensor_norm_() {
-  static const auto op =
-      find<at::Tensor(at::TensorList, double, c10::string_view)>("torchclip::clip_by_tensor_norm_");
+  static const auto op = find<at::Tensor(at::TensorList, double, c10::string_view)>("torchclip::clip_by_tensor_norm_");
   return op;
 }
 

@@ -192,7 +192,8 @@ inline void check_not_inference(at::TensorList tensors, const char* op) {
     return;
   }
   for (size_t i = 0; i < tensors.size(); ++i) {
-    TORCH_CHECK(!tensors[i].is_inference(), op, ": tensors[", i, "]: Inplace update to inference tensor outside "
+    TORCH_CHECK(!tensors[i].is_inference(), op, ": tensors[", i,
+        "]: Inplace update to inference tensor outside "
         "InferenceMode is not allowed. You can make a clone to get a normal tensor before doing inplace update.");
   }
 }
@@ -242,9 +243,10 @@ inline void check_clampable(at::TensorList tensors, const std::vector<int64_t>& 
   check_writable(tensors, aten_path, op);
   for (int64_t i : aten_path) {
     // (NotImplementedError, a RuntimeError, as torch's clamp raises for complex tensors)
-    TORCH_CHECK_NOT_IMPLEMENTED(!tensors[i].is_complex(), op, ": tensors[", i, "] has dtype ",
-        tensors[i].scalar_type(), "; clamping is not defined for complex numbers");
-    TORCH_CHECK(tensors[i].scalar_type() != at::kBool, op, ": tensors[", i, "] has dtype bool; clamping "
+    TORCH_CHECK_NOT_IMPLEMENTED(!tensors[i].is_complex(), op, ": tensors[", i, "] has dtype ", tensors[i].scalar_type(),
+        "; clamping is not defined for complex numbers");
+    TORCH_CHECK(tensors[i].scalar_type() != at::kBool, op, ": tensors[", i,
+        "] has dtype bool; clamping "
         "needs a numeric dtype");
   }
 }

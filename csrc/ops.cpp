@@ -9,8 +9,9 @@
 TORCH_LIBRARY(torchclip, m) {
   // The total `ord`-norm of `tensors` viewed as one vector, and each tensor's own norm (float64).
   // error_if_nonfinite raises when the float64 total is NaN or inf (torch's message).
-  m.def("multi_tensor_norm(Tensor[] tensors, float ord, bool error_if_nonfinite) -> (Tensor total_norm, "
-        "Tensor per_tensor_norms)");
+  m.def(
+      "multi_tensor_norm(Tensor[] tensors, float ord, bool error_if_nonfinite) -> (Tensor total_norm, "
+      "Tensor per_tensor_norms)");
   // tensors[i] *= scale (a 0-d tensor) or scale[i] (a 1-d tensor with one entry per tensor).
   m.def("multi_tensor_scale_(Tensor(a!)[] tensors, Tensor scale) -> ()");
   // tensors[i].clamp_(min, max) in one pass: the composition clamp_min_(min) then clamp_max_(max).
@@ -22,8 +23,9 @@ TORCH_LIBRARY(torchclip, m) {
   // then the per-tensor norms (float64) and that coefficient (float64, 0-d), for logging.
   // nonfinite: what a NaN/inf norm does: "propagate" (scale by it, torch's way), "raise" (as
   // error_if_nonfinite) or "skip" (write nothing); both checks run before any write.
-  m.def("clip_grad_norm_(Tensor(a!)[] grads, float max_norm, float norm_type, bool error_if_nonfinite, "
-        "float eps=1e-06, bool norm_at_least_float32=False, str nonfinite=\"propagate\") -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "clip_grad_norm_(Tensor(a!)[] grads, float max_norm, float norm_type, bool error_if_nonfinite, "
+      "float eps=1e-06, bool norm_at_least_float32=False, str nonfinite=\"propagate\") -> (Tensor, Tensor, Tensor)");
   // Each tensor scaled by max_norm / its own 2-norm where that norm exceeds max_norm (Paddle's
   // ClipGradByNorm); returns the per-tensor norms before clipping (float64). nonfinite as above, for
   // any tensor's norm.
@@ -40,10 +42,11 @@ TORCH_LIBRARY(torchclip, m) {
   // with nothing written, when the kernels do not walk the lists (a tensor off the CPU or of another
   // dtype, state in another element order than its parameter, a scale or step that is not a float32
   // CPU number); the caller then takes torch's own step.
-  m.def("adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-        "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] state_steps, *, float lr, float beta1, float beta2, "
-        "float weight_decay, float eps, bool amsgrad, bool maximize, bool decoupled_weight_decay, "
-        "Tensor? grad_scale=None, Tensor? found_inf=None) -> Tensor");
+  m.def(
+      "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] state_steps, *, float lr, float beta1, float beta2, "
+      "float weight_decay, float eps, bool amsgrad, bool maximize, bool decoupled_weight_decay, "
+      "Tensor? grad_scale=None, Tensor? found_inf=None) -> Tensor");
 }
 
 // Lazily negated or conjugated views reach the kernels as they are: the kernels send every such view

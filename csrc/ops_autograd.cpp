@@ -6,8 +6,8 @@
 // The mutating ops do what ATen's in-place ops do around their kernels: refuse to modify a tensor
 // that requires grad while grad mode is on (autograd could not know), and bump each written tensor's
 // version counter so autograd notices if a saved tensor was modified.
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
@@ -33,7 +33,8 @@ void check_not_differentiated(at::TensorList tensors, const c10::OperatorHandle&
     return;
   }
   for (size_t i = 0; i < tensors.size(); ++i) {
-    TORCH_CHECK(!tensors[i].requires_grad(), message_name(op), ": tensors[", i, "] requires grad and grad mode is "
+    TORCH_CHECK(!tensors[i].requires_grad(), message_name(op), ": tensors[", i,
+        "] requires grad and grad mode is "
         "on; this op modifies tensors in place and is not differentiable (call it under torch.no_grad())");
   }
 }
@@ -101,8 +102,7 @@ struct SignatureOf<c10::TypedOperatorHandle<Signature>> {
 };
 
 template <auto handle, size_t... written>
-using Writes =
-    WritingKernels<handle, typename SignatureOf<std::decay_t<decltype(handle())>>::type, written...>;
+using Writes = WritingKernels<handle, typename SignatureOf<std::decay_t<decltype(handle())>>::type, written...>;
 
 // Every op that writes its arguments: visit(name, its Writes).
 template <typename Visit>
@@ -127,9 +127,7 @@ TORCH_LIBRARY_IMPL(torchclip, ADInplaceOrView, m) {
 TORCH_LIBRARY_IMPL(torchclip, Autograd, m) {
   // Reads only, and its outputs carry no gradient history: nothing for autograd to do.
   m.impl("multi_tensor_norm", torch::CppFunction::makeFallthrough());
-  for_each_writing_op([&](const char* name, auto kernels) {
-    m.impl(name, &decltype(kernels)::autograd);
-  });
+  for_each_writing_op([&](const char* name, auto kernels) { m.impl(name, &decltype(kernels)::autograd); });
 }
 
 }  // namespace torchclip

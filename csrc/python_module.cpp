@@ -17,9 +17,12 @@
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torchclip native extension: op registration and build information";
-  m.def("torch_version_built_against", [] { return std::string(TORCH_VERSION); },
+  m.def(
+      "torch_version_built_against", [] { return std::string(TORCH_VERSION); },
       "The torch version this extension was compiled against.");
-  m.def("cpu_capabilities_built", [] {
+  m.def(
+      "cpu_capabilities_built",
+      [] {
         std::vector<std::string> names;
         std::string all = TORCHCLIP_CPU_CAPABILITIES;
         for (size_t start = 0, comma; start <= all.size(); start = comma + 1) {
@@ -32,7 +35,8 @@ PYBIND11_MODULE(_C, m) {
         return names;
       },
       "The CPU instruction sets a kernel library was compiled for.");
-  m.def("cuda_built", [] { return torchclip::walk::kernels_built_for(c10::Device(c10::kCUDA)); },
+  m.def(
+      "cuda_built", [] { return torchclip::walk::kernels_built_for(c10::Device(c10::kCUDA)); },
       "Whether the CUDA kernels were built (torchclip._cuda).");
   m.def("use_cuda_split_ops", &torchclip::walk::use_cuda_split_ops, py::arg("ops"),
       "Hand the walk torchclip._cuda's implementations (its split_ops capsule).");
@@ -41,9 +45,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("loaded_cpu_capability", &torchclip::loaded_cpu_capability);
   m.def("cpu_runs", &torchclip::cpu_runs, py::arg("capability"),
       "Whether this CPU has every instruction set of the kernel library for `capability`");
-  m.def("kernels_serve", [](py::handle tensors, bool cuda_allowed) {
-        return torchclip::walk::kernels_serve(tensors.ptr(), cuda_allowed);
-      },
+  m.def(
+      "kernels_serve",
+      [](py::handle tensors, bool cuda_allowed) { return torchclip::walk::kernels_serve(tensors.ptr(), cuda_allowed); },
       py::arg("tensors"), py::arg("cuda_allowed") = true,
       "Whether the torchclip ops serve every tensor of this list or tuple (walk/param_walk.h).");
 
@@ -52,11 +56,11 @@ PYBIND11_MODULE(_C, m) {
       py::arg("error_if_nonfinite"));
   m.def("clip_grad_norm_of_plain", &clip_grad_norm_of_plain, py::arg("parameters"), py::arg("max_norm"),
       py::arg("norm_type"), py::arg("error_if_nonfinite"), py::arg("eps") = 1e-6,
-      py::arg("norm_at_least_float32") = false, py::arg("honor_need_clip") = false,
-      py::arg("nonfinite") = "propagate", py::arg("keep_stats") = false);
-  m.def("clip_by_tensor_norm_of_plain", &clip_by_tensor_norm_of_plain, py::arg("parameters"),
-      py::arg("max_norm"), py::arg("honor_need_clip"), py::arg("nonfinite") = "propagate");
+      py::arg("norm_at_least_float32") = false, py::arg("honor_need_clip") = false, py::arg("nonfinite") = "propagate",
+      py::arg("keep_stats") = false);
+  m.def("clip_by_tensor_norm_of_plain", &clip_by_tensor_norm_of_plain, py::arg("parameters"), py::arg("max_norm"),
+      py::arg("honor_need_clip"), py::arg("nonfinite") = "propagate");
   m.def("clip_grad_value_of_plain", &clip_grad_value_of_plain, py::arg("parameters"), py::arg("clip_value"));
-  m.def("clamp_grads_of_plain", &clamp_grads_of_plain, py::arg("parameters"), py::arg("min"),
-      py::arg("max"), py::arg("honor_need_clip") = false);
+  m.def("clamp_grads_of_plain", &clamp_grads_of_plain, py::arg("parameters"), py::arg("min"), py::arg("max"),
+      py::arg("honor_need_clip") = false);
 }

@@ -24,8 +24,9 @@ import torchclip.optim
 
 def build_model():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),
-                                torch.nn.GELU(), torch.nn.Linear(64, 8))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)
+    )
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):

@@ -32,8 +32,17 @@ SPECIALS = ["nan", "inf", "-inf", "zero", "-zero", "subnormal", "max", "-max", "
 
 def special_value(kind: str, dtype: torch.dtype) -> float:
     info = torch.finfo(dtype)
-    return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "zero": 0.0, "-zero": -0.0,
-            "subnormal": info.smallest_normal / 4, "max": info.max, "-max": -info.max, "tiny": info.tiny}[kind]
+    return {
+        "nan": math.nan,
+        "inf": math.inf,
+        "-inf": -math.inf,
+        "zero": 0.0,
+        "-zero": -0.0,
+        "subnormal": info.smallest_normal / 4,
+        "max": info.max,
+        "-max": -info.max,
+        "tiny": info.tiny,
+    }[kind]
 
 
 @st.composite
@@ -108,7 +117,9 @@ def check_value_clip(grads, clip_value):
         return
     torchclip.clip_grad_value_(params_with(ours), clip_value)
     for a, b in zip(ours, theirs):
-        assert torch.equal(a.nan_to_num(1.0, 2.0, -2.0), b.nan_to_num(1.0, 2.0, -2.0)) and torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(a.nan_to_num(1.0, 2.0, -2.0), b.nan_to_num(1.0, 2.0, -2.0)) and torch.equal(
+            a.isnan(), b.isnan()
+        )
 
 
 def check_norm_clip(grads, max_norm):
@@ -121,8 +132,13 @@ def check_norm_clip(grads, max_norm):
     coefficient = min(max_norm / (reference + 1e-6), 1.0)
     for p, b in zip(params, before):
         expected = (b * coefficient).to(p.grad.dtype).double()
-        torch.testing.assert_close(p.grad.double(), expected, rtol=4e-3 if p.grad.dtype.itemsize == 2 else 2e-6,
-                                   atol=torch.finfo(p.grad.dtype).smallest_normal * 4, equal_nan=True)
+        torch.testing.assert_close(
+            p.grad.double(),
+            expected,
+            rtol=4e-3 if p.grad.dtype.itemsize == 2 else 2e-6,
+            atol=torch.finfo(p.grad.dtype).smallest_normal * 4,
+            equal_nan=True,
+        )
 
 
 def run_case(grads, op, norm_type, bound, capability):
@@ -147,8 +163,13 @@ CASE = {
 def campaign(cases: int, derandomize: bool = False) -> int:
     count = 0
 
-    @settings(max_examples=cases, deadline=None, database=None, derandomize=derandomize,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(
+        max_examples=cases,
+        deadline=None,
+        database=None,
+        derandomize=derandomize,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(**CASE)
     def property_holds(grads, op, norm_type, bound, capability):
         nonlocal count
@@ -188,7 +209,7 @@ def build_shared(dtype, size, items, seed):
             grads.append(grads[item[1]])
         else:
             _, start, length = item
-            view = buffer[start:start + length]
+            view = buffer[start : start + length]
             grads.append(view if item[0] == "view" else view.clone())
     params, made = [], {}
     for g in grads:  # one parameter per distinct gradient object: a repeat lists the same parameter again
@@ -223,10 +244,18 @@ def run_shared_case(dtype, size, items, inference, seed, op, capability):
 def shared_campaign(cases: int, derandomize: bool = False) -> int:
     count = 0
 
-    @settings(max_examples=cases, deadline=None, database=None, derandomize=derandomize,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(case=shared_lists(), op=st.sampled_from(["norm", "value"]),
-           capability=st.sampled_from(torchclip.cpu_capabilities()))
+    @settings(
+        max_examples=cases,
+        deadline=None,
+        database=None,
+        derandomize=derandomize,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(
+        case=shared_lists(),
+        op=st.sampled_from(["norm", "value"]),
+        capability=st.sampled_from(torchclip.cpu_capabilities()),
+    )
     def property_holds(case, op, capability):
         nonlocal count
         count += 1

@@ -52,8 +52,12 @@ def test_fp16_gradients_with_a_norm_above_65504_are_clipped_not_zeroed(cpu_capab
     assert total.dtype == torch.float16 and total.isinf()  # torch's dtype, where 120830 is inf
     true_norm = math.sqrt(200 * 1000.0**2 + 4 * 60000.0**2)
     for p, value in zip(ours, [1000.0, 1000.0, 60000.0]):
-        torch.testing.assert_close(p.grad.double(), torch.full_like(p.grad, value / true_norm, dtype=torch.float64),
-                                   rtol=NORM_RTOL[torch.float16], atol=0)
+        torch.testing.assert_close(
+            p.grad.double(),
+            torch.full_like(p.grad, value / true_norm, dtype=torch.float64),
+            rtol=NORM_RTOL[torch.float16],
+            atol=0,
+        )
 
 
 @pytest.mark.parametrize("value", [1e200, 1e-200, 1e-310])
@@ -79,8 +83,10 @@ def test_50_million_fp32_elements(norm_type):
 
 def test_bf16_and_fp16_values_are_widened_exactly(cpu_capability):
     # Every finite bf16 value (a 65536-entry table), and every fp16 value: norms equal float64's.
-    for dtype, bits in [(torch.bfloat16, torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)),
-                        (torch.float16, torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16))]:
+    for dtype, bits in [
+        (torch.bfloat16, torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)),
+        (torch.float16, torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)),
+    ]:
         values = bits.view(dtype)
         values = values[values.isfinite()]
         _, per_tensor = _ops.multi_tensor_norm([values], 1.0)  # float64: no rounding to hide behind
@@ -91,7 +97,9 @@ def test_bf16_and_fp16_values_are_widened_exactly(cpu_capability):
 
 def test_accuracy_over_many_random_lists(cpu_capability):
     for seed in range(20):
-        params = make_params([((1 + 37 * k,), torch.float32) for k in range(30)], seed=seed, scale=10.0 ** (seed % 7 - 3))
+        params = make_params(
+            [((1 + 37 * k,), torch.float32) for k in range(30)], seed=seed, scale=10.0 ** (seed % 7 - 3)
+        )
         grads = [p.grad for p in params]
         assert_norm_close(torchclip.get_total_norm(grads), reference_norm(grads, 2.0), f"seed {seed}")
 

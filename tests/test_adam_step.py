@@ -18,8 +18,12 @@ from torchclip import ClipGradByGlobalNorm, _adam_step, _ops
 # (elements past the last whole vector) go through torch's scalar loop, which its compiler contracts
 # differently from its vector loop, where ours run through the vector code; and without FMA (DEFAULT)
 # the lerp is not fused as in torch's AVX kernels, which is what this machine's torch runs.
-TOLERANCE = {torch.float32: {"rtol": 3e-7, "atol": 5e-7}, torch.float64: {"rtol": 5e-16, "atol": 1e-15},
-             torch.bfloat16: {"rtol": 8e-3, "atol": 1e-3}, torch.float16: {"rtol": 1e-3, "atol": 1e-3}}
+TOLERANCE = {
+    torch.float32: {"rtol": 3e-7, "atol": 5e-7},
+    torch.float64: {"rtol": 5e-16, "atol": 1e-15},
+    torch.bfloat16: {"rtol": 8e-3, "atol": 1e-3},
+    torch.float16: {"rtol": 1e-3, "atol": 1e-3},
+}
 SIZES = (1, 15, 16, 17, 100, 1024, 70000)
 WHOLE_VECTORS = (16, 1024)  # no tail: torch's vector loop only
 
@@ -42,8 +46,9 @@ def copies(lists):
 
 def torch_fused_step(lists, decoupled, grad_scale=None, found_inf=None, **hyperparameters):
     torch._foreach_add_(lists[5], 1)
-    (torch._fused_adamw_ if decoupled else torch._fused_adam_)(*lists, grad_scale=grad_scale, found_inf=found_inf,
-                                                                **hyperparameters)
+    (torch._fused_adamw_ if decoupled else torch._fused_adam_)(
+        *lists, grad_scale=grad_scale, found_inf=found_inf, **hyperparameters
+    )
     if found_inf is not None:
         torch._foreach_sub_(lists[5], [found_inf] * len(lists[5]))
 
@@ -59,8 +64,15 @@ def test_matches_torchs_fused_step_and_never_writes_gradients(dtype, cpu_capabil
         theirs = copies(ours)
         gradients = copies([ours[1]])[0]
         grad_scale = None if scale is None else torch.tensor(scale)
-        hyperparameters = {"lr": 1e-2, "beta1": beta1, "beta2": 0.999, "weight_decay": weight_decay, "eps": 1e-8,
-                           "amsgrad": amsgrad, "maximize": maximize}
+        hyperparameters = {
+            "lr": 1e-2,
+            "beta1": beta1,
+            "beta2": 0.999,
+            "weight_decay": weight_decay,
+            "eps": 1e-8,
+            "amsgrad": amsgrad,
+            "maximize": maximize,
+        }
         assert _ops.adam_step_(*ours, decoupled_weight_decay=decoupled, grad_scale=grad_scale, **hyperparameters)
         torch_fused_step(theirs, decoupled, grad_scale, **hyperparameters)
         for ours_grad, gradient in zip(ours[1], gradients):
@@ -74,8 +86,16 @@ def test_matches_torchs_fused_step_and_never_writes_gradients(dtype, cpu_capabil
 
 
 def test_found_inf_leaves_everything_and_zero_steps(cpu_capability):
-    hyperparameters = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0, "eps": 1e-8, "amsgrad": True,
-                       "maximize": False, "decoupled_weight_decay": False}
+    hyperparameters = {
+        "lr": 1e-2,
+        "beta1": 0.9,
+        "beta2": 0.999,
+        "weight_decay": 0.0,
+        "eps": 1e-8,
+        "amsgrad": True,
+        "maximize": False,
+        "decoupled_weight_decay": False,
+    }
     ours = state(torch.float32, amsgrad=True)
     before = copies(ours)
     assert _ops.adam_step_(*ours, found_inf=torch.tensor(1.0), **hyperparameters)
@@ -89,12 +109,21 @@ def test_found_inf_leaves_everything_and_zero_steps(cpu_capability):
             torch.testing.assert_close(a, b, **TOLERANCE[torch.float32])
 
 
-HYPERPARAMETERS = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0, "eps": 1e-8, "amsgrad": False,
-                   "maximize": False, "decoupled_weight_decay": True}
+HYPERPARAMETERS = {
+    "lr": 1e-2,
+    "beta1": 0.9,
+    "beta2": 0.999,
+    "weight_decay": 0.0,
+    "eps": 1e-8,
+    "amsgrad": False,
+    "maximize": False,
+    "decoupled_weight_decay": True,
+}
 
 
-@pytest.mark.parametrize("case", ["state_in_other_order", "grad_in_other_order", "float64_step", "float16_scale",
-                                  "complex"])
+@pytest.mark.parametrize(
+    "case", ["state_in_other_order", "grad_in_other_order", "float64_step", "float16_scale", "complex"]
+)
 def test_declines_what_the_kernels_do_not_walk_and_writes_nothing(case):
     lists = state(torch.float32, amsgrad=False, sizes=(12, 5))
     kwargs = {}
@@ -131,8 +160,10 @@ def test_bad_lists_raise_naming_them_before_any_write():
 def parameters(seed=0, transposed=False):
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(6, 4, generator=generator)
-    return [torch.nn.Parameter(weight.t() if transposed else weight),
-            torch.nn.Parameter(torch.randn(33, generator=generator))]
+    return [
+        torch.nn.Parameter(weight.t() if transposed else weight),
+        torch.nn.Parameter(torch.randn(33, generator=generator)),
+    ]
 
 
 def clip_then_step(params, grads, optimizer, clip_norm):
@@ -174,14 +205,16 @@ def test_folded_adamw_steps_as_clip_then_step_with_hooks_once(transposed, kernel
 
 
 def test_kill_switch_runs_torchs_own_step():
-    code = ("import torch, torchclip\n"
-            "assert not torchclip._adam_step.AVAILABLE\n"
-            "assert 'step' not in vars(torchclip.optim.AdamW)\n"
-            "p = torch.nn.Parameter(torch.ones(3))\n"
-            "opt = torchclip.optim.AdamW([p], fused=True, grad_clip=torchclip.ClipGradByGlobalNorm(1.0))\n"
-            "p.grad = torch.full((3,), 4.0)\n"
-            "opt.step()\n"
-            "assert torch.allclose(p.grad, torch.full((3,), 3 ** -0.5))\n")  # written back by torch's kernel
+    code = (
+        "import torch, torchclip\n"
+        "assert not torchclip._adam_step.AVAILABLE\n"
+        "assert 'step' not in vars(torchclip.optim.AdamW)\n"
+        "p = torch.nn.Parameter(torch.ones(3))\n"
+        "opt = torchclip.optim.AdamW([p], fused=True, grad_clip=torchclip.ClipGradByGlobalNorm(1.0))\n"
+        "p.grad = torch.full((3,), 4.0)\n"
+        "opt.step()\n"
+        "assert torch.allclose(p.grad, torch.full((3,), 3 ** -0.5))\n"
+    )  # written back by torch's kernel
     environment = {**os.environ, "TORCHCLIP_READ_ONLY_ADAM": "0"}
     subprocess.run([sys.executable, "-c", code], check=True, env=environment)
 
@@ -191,8 +224,15 @@ def test_a_step_under_inference_mode_bumps_what_it_writes():
     state tensor notices the write, in inference mode too (the ADInplaceOrView kernel)."""
     ours = state(torch.float32, amsgrad=True)
     before = [[t._version for t in tensors] for tensors in ours]
-    hyperparameters = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0, "eps": 1e-8, "amsgrad": True,
-                       "maximize": False}
+    hyperparameters = {
+        "lr": 1e-2,
+        "beta1": 0.9,
+        "beta2": 0.999,
+        "weight_decay": 0.0,
+        "eps": 1e-8,
+        "amsgrad": True,
+        "maximize": False,
+    }
     with torch.inference_mode():
         assert _ops.adam_step_(*ours, decoupled_weight_decay=True, **hyperparameters)
     for which, tensors in enumerate(ours):

@@ -15,10 +15,14 @@ import torchclip
 from torchclip.adaptive import ClipGradByQuantile, ClipGradByUnitwiseNorm, ClipGradByZScore
 
 
-@pytest.mark.parametrize("make_clip", [
-    lambda: ClipGradByQuantile(0.5, 4, global_threshold=True),
-    lambda: ClipGradByZScore(warmup_steps=4, z_thresh=1.5),
-], ids=["quantile-global", "zscore"])
+@pytest.mark.parametrize(
+    "make_clip",
+    [
+        lambda: ClipGradByQuantile(0.5, 4, global_threshold=True),
+        lambda: ClipGradByZScore(warmup_steps=4, z_thresh=1.5),
+    ],
+    ids=["quantile-global", "zscore"],
+)
 def test_the_walk_agrees_with_the_pairs_form(make_clip):
     """CPU parameters take the C++ walk (the quantile: its host window's value as clip_grad_norm_'s
     max_norm; ZScore: the norms, then the host rule); Paddle's pairs take the Python walk and the
@@ -46,13 +50,17 @@ def test_the_walk_agrees_with_the_pairs_form(make_clip):
     assert clipped_steps > 0 and walked.nonfinite_steps.item() == 1
 
 
-@pytest.mark.parametrize("make_clip", [
-    lambda: ClipGradByZScore(warmup_steps=4, skip_update_on_spike=True),
-    lambda: ClipGradByQuantile(0.8, 5),
-    lambda: ClipGradByQuantile(0.8, 5, global_threshold=True),
-    lambda: torchclip.ClipGradByNormEMA(warmup_steps=6),
-    lambda: torchclip.SkipStepOnSpike(torchclip.ClipGradByGlobalNorm(3.0), window=6),
-], ids=["zscore", "quantile", "quantile-global", "norm-ema", "skip-on-spike"])
+@pytest.mark.parametrize(
+    "make_clip",
+    [
+        lambda: ClipGradByZScore(warmup_steps=4, skip_update_on_spike=True),
+        lambda: ClipGradByQuantile(0.8, 5),
+        lambda: ClipGradByQuantile(0.8, 5, global_threshold=True),
+        lambda: torchclip.ClipGradByNormEMA(warmup_steps=6),
+        lambda: torchclip.SkipStepOnSpike(torchclip.ClipGradByGlobalNorm(3.0), window=6),
+    ],
+    ids=["zscore", "quantile", "quantile-global", "norm-ema", "skip-on-spike"],
+)
 def test_restored_mid_run_continues_bit_for_bit(make_clip):
     _, model = model_pair()
     straight, restored = make_clip(), make_clip()
@@ -77,39 +85,49 @@ def test_restored_mid_run_continues_bit_for_bit(make_clip):
 
 
 def test_state_dict_holds_tensors_only():
-    for clip in (ClipGradByZScore(), ClipGradByQuantile(), ClipGradByQuantile(global_threshold=True),
-                 torchclip.ClipGradByNormEMA()):
+    for clip in (
+        ClipGradByZScore(),
+        ClipGradByQuantile(),
+        ClipGradByQuantile(global_threshold=True),
+        torchclip.ClipGradByNormEMA(),
+    ):
         assert all(isinstance(v, torch.Tensor) for v in clip.state_dict().values())
 
 
-@pytest.mark.parametrize("make_clip,match", [
-    (lambda: ClipGradByZScore(alpha=1.0), r"alpha must be in \(0, 1\), got 1.0"),
-    (lambda: ClipGradByZScore(alpha=0), r"alpha must be in \(0, 1\), got 0"),
-    (lambda: ClipGradByZScore(z_thresh=-1), "z_thresh must be a finite number > 0, got -1"),
-    (lambda: ClipGradByZScore(max_grad_norm=0.0), "max_grad_norm must be a finite number > 0, got 0.0"),
-    (lambda: ClipGradByZScore(eps=-1e-6), "eps must be a finite number >= 0, got -1e-06"),
-    (lambda: ClipGradByZScore(warmup_steps=0), "warmup_steps must be >= 1, got 0"),
-    (lambda: ClipGradByZScore(mode="zscores"), "mode must be 'zscore' or 'percentile', got 'zscores'"),
-    (lambda: ClipGradByZScore(clip_option="max"), "clip_option must be 'adaptive_scaling' or 'mean', got 'max'"),
-    (lambda: ClipGradByZScore(clip_factor=0), "clip_factor must be a finite number > 0, got 0"),
-    (lambda: ClipGradByQuantile(quantile=1.5), r"quantile must be in \[0, 1\], got 1.5"),
-    (lambda: ClipGradByQuantile(history_length=0), "history_length must be >= 1, got 0"),
-    (lambda: torchclip.ClipGradByNormEMA(beta=1.0), r"beta must be in \[0, 1\), got 1.0"),
-    (lambda: torchclip.ClipGradByNormEMA(lambda_rel=0), "lambda_rel must be a finite number > 0, got 0"),
-    (lambda: torchclip.ClipGradByNormEMA(lambda_abs=math.inf), "lambda_abs must be a finite number > 0, got inf"),
-    (lambda: torchclip.ClipGradByNormEMA(warmup_steps=-1), "warmup_steps must be >= 0, got -1"),
-])
+@pytest.mark.parametrize(
+    "make_clip,match",
+    [
+        (lambda: ClipGradByZScore(alpha=1.0), r"alpha must be in \(0, 1\), got 1.0"),
+        (lambda: ClipGradByZScore(alpha=0), r"alpha must be in \(0, 1\), got 0"),
+        (lambda: ClipGradByZScore(z_thresh=-1), "z_thresh must be a finite number > 0, got -1"),
+        (lambda: ClipGradByZScore(max_grad_norm=0.0), "max_grad_norm must be a finite number > 0, got 0.0"),
+        (lambda: ClipGradByZScore(eps=-1e-6), "eps must be a finite number >= 0, got -1e-06"),
+        (lambda: ClipGradByZScore(warmup_steps=0), "warmup_steps must be >= 1, got 0"),
+        (lambda: ClipGradByZScore(mode="zscores"), "mode must be 'zscore' or 'percentile', got 'zscores'"),
+        (lambda: ClipGradByZScore(clip_option="max"), "clip_option must be 'adaptive_scaling' or 'mean', got 'max'"),
+        (lambda: ClipGradByZScore(clip_factor=0), "clip_factor must be a finite number > 0, got 0"),
+        (lambda: ClipGradByQuantile(quantile=1.5), r"quantile must be in \[0, 1\], got 1.5"),
+        (lambda: ClipGradByQuantile(history_length=0), "history_length must be >= 1, got 0"),
+        (lambda: torchclip.ClipGradByNormEMA(beta=1.0), r"beta must be in \[0, 1\), got 1.0"),
+        (lambda: torchclip.ClipGradByNormEMA(lambda_rel=0), "lambda_rel must be a finite number > 0, got 0"),
+        (lambda: torchclip.ClipGradByNormEMA(lambda_abs=math.inf), "lambda_abs must be a finite number > 0, got inf"),
+        (lambda: torchclip.ClipGradByNormEMA(warmup_steps=-1), "warmup_steps must be >= 0, got -1"),
+    ],
+)
 def test_bad_arguments_name_the_argument(make_clip, match):
     with pytest.raises(ValueError, match=match):
         make_clip()
 
 
-@pytest.mark.parametrize("make_clip,match", [
-    (lambda: ClipGradByZScore(warmup_steps="5"), "warmup_steps must be an int, got '5'"),
-    (lambda: ClipGradByQuantile(history_length=2.0), "history_length must be an int, got 2.0"),
-    (lambda: ClipGradByQuantile(global_threshold=1), "global_threshold must be a bool, got 1"),
-    (lambda: ClipGradByZScore(skip_update_on_spike="yes"), "skip_update_on_spike must be a bool, got 'yes'"),
-])
+@pytest.mark.parametrize(
+    "make_clip,match",
+    [
+        (lambda: ClipGradByZScore(warmup_steps="5"), "warmup_steps must be an int, got '5'"),
+        (lambda: ClipGradByQuantile(history_length=2.0), "history_length must be an int, got 2.0"),
+        (lambda: ClipGradByQuantile(global_threshold=1), "global_threshold must be a bool, got 1"),
+        (lambda: ClipGradByZScore(skip_update_on_spike="yes"), "skip_update_on_spike must be a bool, got 'yes'"),
+    ],
+)
 def test_bad_argument_types_name_the_argument(make_clip, match):
     with pytest.raises(TypeError, match=match):
         make_clip()
@@ -124,13 +142,20 @@ def test_load_state_dict_refuses_a_mismatched_state_before_changing_anything():
         ClipGradByQuantile().load_state_dict(clip.state_dict())
     with pytest.raises(ValueError, match="a global clip has one history"):
         ClipGradByQuantile(history_length=1000, global_threshold=True).load_state_dict(
-            {"history": torch.zeros(3, 1000, dtype=torch.float64), "counts": torch.zeros(3, dtype=torch.int64)})
+            {"history": torch.zeros(3, 1000, dtype=torch.float64), "counts": torch.zeros(3, dtype=torch.int64)}
+        )
 
 
-@pytest.mark.parametrize("make_clip", [lambda: ClipGradByZScore(warmup_steps=3), lambda: ClipGradByQuantile(0.5, 8),
-                                       lambda: torchclip.ClipGradByNormEMA(warmup_steps=3),
-                                       lambda: ClipGradByUnitwiseNorm(0.05)],
-                         ids=["zscore", "quantile", "norm-ema", "unitwise"])
+@pytest.mark.parametrize(
+    "make_clip",
+    [
+        lambda: ClipGradByZScore(warmup_steps=3),
+        lambda: ClipGradByQuantile(0.5, 8),
+        lambda: torchclip.ClipGradByNormEMA(warmup_steps=3),
+        lambda: ClipGradByUnitwiseNorm(0.05),
+    ],
+    ids=["zscore", "quantile", "norm-ema", "unitwise"],
+)
 def test_as_optimizer_hook_equals_calling_the_clip(make_clip):
     """grad_clip= on a torchclip.optim optimizer, need_clip honoured: the same steps as clip-then-step."""
     hooked_model, model = model_pair()
@@ -158,8 +183,10 @@ def test_public_names():
 
 def test_readme_example_runs(tmp_path):
     readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("## Adaptive clipping"):]
-    code = section[section.index("```python") + len("```python"):section.index("```\n", section.index("```python") + 9)]
+    section = readme[readme.index("## Adaptive clipping") :]
+    code = section[
+        section.index("```python") + len("```python") : section.index("```\n", section.index("```python") + 9)
+    ]
     script = tmp_path / "readme_adaptive.py"
     script.write_text(code)
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
@@ -168,14 +195,18 @@ def test_readme_example_runs(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-@pytest.mark.parametrize("make_clip", [
-    lambda: ClipGradByZScore(warmup_steps=3),
-    lambda: ClipGradByQuantile(0.9, 4),
-    lambda: ClipGradByQuantile(0.9, 4, global_threshold=True),
-    lambda: torchclip.ClipGradByNormEMA(warmup_steps=3),
-    lambda: ClipGradByUnitwiseNorm(0.05),
-    lambda: torchclip.SkipStepOnSpike(torchclip.ClipGradByNormEMA(warmup_steps=2), window=4),
-], ids=["zscore", "quantile", "quantile-global", "norm-ema", "unitwise", "skip-on-spike"])
+@pytest.mark.parametrize(
+    "make_clip",
+    [
+        lambda: ClipGradByZScore(warmup_steps=3),
+        lambda: ClipGradByQuantile(0.9, 4),
+        lambda: ClipGradByQuantile(0.9, 4, global_threshold=True),
+        lambda: torchclip.ClipGradByNormEMA(warmup_steps=3),
+        lambda: ClipGradByUnitwiseNorm(0.05),
+        lambda: torchclip.SkipStepOnSpike(torchclip.ClipGradByNormEMA(warmup_steps=2), window=4),
+    ],
+    ids=["zscore", "quantile", "quantile-global", "norm-ema", "unitwise", "skip-on-spike"],
+)
 def test_cuda_steps_never_wait_for_the_device(make_clip):
     """No host read of a norm during a step: every call, the first one included, under sync debug mode."""
     _, model = model_pair()
@@ -187,7 +218,9 @@ def test_cuda_steps_never_wait_for_the_device(make_clip):
     try:
         for grads in runs:
             for p, g in zip(model.parameters(), grads):
-                p.grad.copy_(g, non_blocking=True) if p.grad is not None else setattr(p, "grad", g.cuda(non_blocking=True))
+                p.grad.copy_(g, non_blocking=True) if p.grad is not None else setattr(
+                    p, "grad", g.cuda(non_blocking=True)
+                )
             clip(model.parameters())
     finally:
         torch.cuda.set_sync_debug_mode(previous)

@@ -35,9 +35,16 @@ class AdaGCReference:
         return out
 
 
-@pytest.mark.parametrize("settings", [{}, {"warmup_steps": 5}, {"warmup_steps": 0, "lambda_rel": 1.2, "beta": 0.5},
-                                      {"warmup_steps": 8, "lambda_abs": 0.5, "beta": 0.9}],
-                         ids=["defaults", "warmup5", "no-warmup", "warmup8"])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"warmup_steps": 5},
+        {"warmup_steps": 0, "lambda_rel": 1.2, "beta": 0.5},
+        {"warmup_steps": 8, "lambda_abs": 0.5, "beta": 0.9},
+    ],
+    ids=["defaults", "warmup5", "no-warmup", "warmup8"],
+)
 def test_norm_ema_follows_the_papers_algorithm(settings):
     _, model = model_pair()
     clip = torchclip.ClipGradByNormEMA(**settings)

@@ -18,8 +18,12 @@ autoclip_torch = pytest.importorskip("autoclip.torch")
 @pytest.mark.parametrize("quantile,history_length", [(0.9, 1000), (0.5, 4), (0.0, 3), (1.0, 6)])
 def test_quantile_matches_autoclip_step_for_step(global_threshold, quantile, history_length):
     reference_model, model = model_pair()
-    reference = autoclip_torch.QuantileClip(reference_model.parameters(), quantile=quantile,
-                                            history_length=history_length, global_threshold=global_threshold)
+    reference = autoclip_torch.QuantileClip(
+        reference_model.parameters(),
+        quantile=quantile,
+        history_length=history_length,
+        global_threshold=global_threshold,
+    )
     clip = ClipGradByQuantile(quantile, history_length, global_threshold)
     for step, grads in enumerate(gradient_run(model, 40)):
         set_grads(reference_model, grads)
@@ -33,8 +37,9 @@ def test_global_quantile_follows_autoclip_through_a_nan_gradient():
     """A NaN norm in the history makes autoclip's torch.quantile NaN until it leaves the window; the
     global rule on the host keeps NaNs beside its sorted window to do the same."""
     reference_model, model = model_pair()
-    reference = autoclip_torch.QuantileClip(reference_model.parameters(), quantile=0.5, history_length=3,
-                                            global_threshold=True)
+    reference = autoclip_torch.QuantileClip(
+        reference_model.parameters(), quantile=0.5, history_length=3, global_threshold=True
+    )
     clip = ClipGradByQuantile(0.5, 3, global_threshold=True)
     saw_nan = saw_finite_after = False
     for step, grads in enumerate(gradient_run(model, 12)):

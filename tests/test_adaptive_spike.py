@@ -47,8 +47,9 @@ def test_skip_on_spike_skips_the_optimizer_step_and_clips_the_others():
     _, model = model_pair()
     _, twin = model_pair()
     inner = torchclip.ClipGradByGlobalNorm(2.0)
-    optimizer = torchclip.optim.SGD(model.parameters(), lr=0.1,
-                                    grad_clip=torchclip.SkipStepOnSpike(inner, window=8, sigma_factor=3.0))
+    optimizer = torchclip.optim.SGD(
+        model.parameters(), lr=0.1, grad_clip=torchclip.SkipStepOnSpike(inner, window=8, sigma_factor=3.0)
+    )
     plain = torch.optim.SGD(twin.parameters(), lr=0.1)
     reference = OLMoSkipRule(8, 3.0)
     reference_clip = torchclip.ClipGradByGlobalNorm(2.0)
@@ -84,8 +85,11 @@ def test_skip_on_spike_on_a_fused_optimizer_skips_through_found_inf(optimizer_cl
     _, fused_model = model_pair()
     _, plain_model = model_pair()
     make = lambda model, fused: optimizer_class(
-        model.parameters(), lr=0.05, fused=fused,
-        grad_clip=torchclip.SkipStepOnSpike(torchclip.ClipGradByGlobalNorm(5.0), window=6, sigma_factor=2.0))
+        model.parameters(),
+        lr=0.05,
+        fused=fused,
+        grad_clip=torchclip.SkipStepOnSpike(torchclip.ClipGradByGlobalNorm(5.0), window=6, sigma_factor=2.0),
+    )
     fused, plain = make(fused_model, True), make(plain_model, False)
     for grads in gradient_run(fused_model, 30, spikes={12: 40.0, 20: 60.0}):
         set_grads(fused_model, grads)

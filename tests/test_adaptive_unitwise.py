@@ -12,8 +12,11 @@ def agc_reference(param, grad, clip_factor, eps, norm_type):
     """timm's rule in float64: per unit (row of dim 0; whole tensor for 0-d/1-d)."""
     p, g = param.detach().double(), grad.double()
     dims = tuple(range(1, p.dim()))
-    unit = (lambda t: torch.linalg.vector_norm(t, norm_type)) if p.dim() <= 1 else \
-        (lambda t: torch.linalg.vector_norm(t, norm_type, dim=dims, keepdim=True))
+    unit = (
+        (lambda t: torch.linalg.vector_norm(t, norm_type))
+        if p.dim() <= 1
+        else (lambda t: torch.linalg.vector_norm(t, norm_type, dim=dims, keepdim=True))
+    )
     max_norm = unit(p).clamp(min=eps) * clip_factor
     grad_norm = unit(g)
     return torch.where(grad_norm < max_norm, g, g * (max_norm / grad_norm.clamp(min=1e-6)))
@@ -21,11 +24,19 @@ def agc_reference(param, grad, clip_factor, eps, norm_type):
 
 def agc_model(dtype=torch.float32, memory_format=torch.contiguous_format):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 4),
-                                torch.nn.LayerNorm(4)).to(dtype).to(memory_format=memory_format)
+    model = (
+        torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 4), torch.nn.LayerNorm(4)
+        )
+        .to(dtype)
+        .to(memory_format=memory_format)
+    )
     for i, p in enumerate(model.parameters()):
-        p.grad = (torch.randn(p.shape) * 0.05 * (i + 1)).to(dtype).to(memory_format=memory_format) \
-            if p.dim() == 4 else (torch.randn(p.shape) * 0.05 * (i + 1)).to(dtype)
+        p.grad = (
+            (torch.randn(p.shape) * 0.05 * (i + 1)).to(dtype).to(memory_format=memory_format)
+            if p.dim() == 4
+            else (torch.randn(p.shape) * 0.05 * (i + 1)).to(dtype)
+        )
     return model
 
 

@@ -26,8 +26,9 @@ ZSCORE_SETTINGS = [
 ]
 
 
-@pytest.mark.parametrize("settings", ZSCORE_SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or
-                         "defaults")
+@pytest.mark.parametrize(
+    "settings", ZSCORE_SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "defaults"
+)
 def test_zscore_matches_zclip_step_for_step(settings):
     reference_model, model = model_pair()
     reference = zclip.ZClip(**settings)
@@ -55,15 +56,17 @@ def test_zscore_on_16_bit_gradients_against_float64(dtype):
     clip = ClipGradByZScore(warmup_steps=2)
     for grads in gradient_run(model, 6):
         set_grads(model, [g.to(dtype) for g in grads])
-        expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.double())
-                                                         for p in model.parameters()]))
+        expected = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(p.grad.double()) for p in model.parameters()])
+        )
         clip(model.parameters())
         assert clip.last_global_norm.dtype == torch.float64
         assert clip.last_global_norm.item() == pytest.approx(expected.item(), rel=1e-12)
 
 
-@pytest.mark.parametrize("settings", ZSCORE_SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or
-                         "defaults")
+@pytest.mark.parametrize(
+    "settings", ZSCORE_SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "defaults"
+)
 def test_zscore_rule_on_tensors_equals_the_rule_on_floats(settings):
     """The device path (0-d tensors, torch.where) and the host path (Python floats) of the same rule give
     the same numbers, spikes, NaN and infinities included: equal up to float64 rounding, as torch's kernels
@@ -71,8 +74,11 @@ def test_zscore_rule_on_tensors_equals_the_rule_on_floats(settings):
     the variance's subtraction can cancel (an absolute term at the inputs' scale, ~30)."""
     clip = ClipGradByZScore(**settings)
     generator = torch.Generator().manual_seed(0)
-    cases = [(float(n), float(m), float(v)) for n, m, v in torch.rand(40, 3, generator=generator, dtype=torch.float64)
-             * torch.tensor([30.0, 3.0, 2.0], dtype=torch.float64)]
+    cases = [
+        (float(n), float(m), float(v))
+        for n, m, v in torch.rand(40, 3, generator=generator, dtype=torch.float64)
+        * torch.tensor([30.0, 3.0, 2.0], dtype=torch.float64)
+    ]
     cases += [(math.nan, 1.0, 0.5), (math.inf, 1.0, 0.5), (2.0, 1.0, 0.0), (0.0, 0.0, 0.0)]
     for norm, mean, var in cases:
         on_floats = clip._zclip_rule(norm, mean, var, lambda c, a, b: a if c else b)
@@ -81,4 +87,9 @@ def test_zscore_rule_on_tensors_equals_the_rule_on_floats(settings):
         for f, t in zip(on_floats, on_tensors):
             t = t.item()
             assert (math.isnan(f) and math.isnan(t)) or f == t or math.isclose(f, t, rel_tol=1e-13, abs_tol=3e-14), (
-                norm, mean, var, on_floats, on_tensors)
+                norm,
+                mean,
+                var,
+                on_floats,
+                on_tensors,
+            )

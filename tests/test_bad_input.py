@@ -36,38 +36,118 @@ def int_grad(params):
 
 ROWS = [
     # (description, setup(params) -> params, call(params), error, message)
-    ("norm_type not a number", None, lambda ps: torchclip.clip_grad_norm_(ps, 1.0, norm_type="two"),
-     ValueError, "norm_type must be a number, got 'two'"),
-    ("max_norm not a number", None, lambda ps: torchclip.clip_grad_norm_(ps, None),
-     TypeError, "max_norm must be a number, got None"),
-    ("clip_value not a number", None, lambda ps: torchclip.clip_grad_value_(ps, "big"),
-     ValueError, "clip_value must be a number, got 'big'"),
-    ("an item that is not a tensor", lambda ps: ps + [3], lambda ps: torchclip.clip_grad_norm_(ps, 1.0),
-     NotATensorError, r"parameters\[3\] must be a Tensor, got int: 3"),
-    ("a non-tensor in get_total_norm", None, lambda ps: torchclip.get_total_norm([p.grad for p in ps] + ["x"]),
-     NotATensorError, r"tensors\[3\] must be a Tensor, got str"),
-    ("a gradient of another shape", wrong_shape, lambda ps: torchclip.clip_grad_norm_(ps, 1.0),
-     ValueError, r"parameters\[1\] has shape \(3, 4\) but its gradient has shape \(4, 3\)"),
-    ("an integer gradient, norm", int_grad, lambda ps: torchclip.clip_grad_norm_(ps, 1.0),
-     RuntimeError, r"tensors\[2\] has dtype Long; a norm needs a floating point or complex dtype"),
-    ("a bool gradient, value clip", lambda ps: [*ps[:2], _bool_param()], lambda ps: torchclip.clip_grad_value_(ps, 1.0),
-     RuntimeError, r"tensors\[2\] has dtype bool; clamping needs a numeric dtype"),
-    ("a complex gradient, value clip", lambda ps: [*ps[:2], _complex_param()],
-     lambda ps: torchclip.clip_grad_value_(ps, 1.0), NotImplementedError, "clamping is not defined for complex numbers"),
-    ("an expanded (overlapping) gradient", lambda ps: [*ps[:2], _expanded_param()],
-     lambda ps: torchclip.clip_grad_norm_(ps, 0.1), RuntimeError, "share memory"),
-    ("non-finite norm with error_if_nonfinite", lambda ps: _with_nan(ps),
-     lambda ps: torchclip.clip_grad_norm_(ps, 0.1, error_if_nonfinite=True), RuntimeError, "non-finite"),
-    ("ClipGradByGlobalNorm clip_norm <= 0", None, lambda ps: torchclip.ClipGradByGlobalNorm(-1.0)(ps),
-     ValueError, "clip_norm must be a finite number > 0, got -1.0"),
-    ("ClipGradByNorm clip_norm NaN", None, lambda ps: torchclip.ClipGradByNorm(math.nan)(ps),
-     ValueError, "clip_norm must be a finite number > 0, got nan"),
-    ("ClipGradByValue min > max", None, lambda ps: torchclip.ClipGradByValue(1.0, 2.0)(ps),
-     ValueError, "min must be <= max, got min=2.0, max=1.0"),
-    ("ClipGradByValue max <= 0 without min", None, lambda ps: torchclip.ClipGradByValue(-1.0)(ps),
-     ValueError, "max must be > 0 when min is None"),
-    ("need_clip not callable", None, lambda ps: torchclip.GradientClipByNorm(1.0, need_clip=1)(ps),
-     TypeError, "need_clip must be a function"),
+    (
+        "norm_type not a number",
+        None,
+        lambda ps: torchclip.clip_grad_norm_(ps, 1.0, norm_type="two"),
+        ValueError,
+        "norm_type must be a number, got 'two'",
+    ),
+    (
+        "max_norm not a number",
+        None,
+        lambda ps: torchclip.clip_grad_norm_(ps, None),
+        TypeError,
+        "max_norm must be a number, got None",
+    ),
+    (
+        "clip_value not a number",
+        None,
+        lambda ps: torchclip.clip_grad_value_(ps, "big"),
+        ValueError,
+        "clip_value must be a number, got 'big'",
+    ),
+    (
+        "an item that is not a tensor",
+        lambda ps: ps + [3],
+        lambda ps: torchclip.clip_grad_norm_(ps, 1.0),
+        NotATensorError,
+        r"parameters\[3\] must be a Tensor, got int: 3",
+    ),
+    (
+        "a non-tensor in get_total_norm",
+        None,
+        lambda ps: torchclip.get_total_norm([p.grad for p in ps] + ["x"]),
+        NotATensorError,
+        r"tensors\[3\] must be a Tensor, got str",
+    ),
+    (
+        "a gradient of another shape",
+        wrong_shape,
+        lambda ps: torchclip.clip_grad_norm_(ps, 1.0),
+        ValueError,
+        r"parameters\[1\] has shape \(3, 4\) but its gradient has shape \(4, 3\)",
+    ),
+    (
+        "an integer gradient, norm",
+        int_grad,
+        lambda ps: torchclip.clip_grad_norm_(ps, 1.0),
+        RuntimeError,
+        r"tensors\[2\] has dtype Long; a norm needs a floating point or complex dtype",
+    ),
+    (
+        "a bool gradient, value clip",
+        lambda ps: [*ps[:2], _bool_param()],
+        lambda ps: torchclip.clip_grad_value_(ps, 1.0),
+        RuntimeError,
+        r"tensors\[2\] has dtype bool; clamping needs a numeric dtype",
+    ),
+    (
+        "a complex gradient, value clip",
+        lambda ps: [*ps[:2], _complex_param()],
+        lambda ps: torchclip.clip_grad_value_(ps, 1.0),
+        NotImplementedError,
+        "clamping is not defined for complex numbers",
+    ),
+    (
+        "an expanded (overlapping) gradient",
+        lambda ps: [*ps[:2], _expanded_param()],
+        lambda ps: torchclip.clip_grad_norm_(ps, 0.1),
+        RuntimeError,
+        "share memory",
+    ),
+    (
+        "non-finite norm with error_if_nonfinite",
+        lambda ps: _with_nan(ps),
+        lambda ps: torchclip.clip_grad_norm_(ps, 0.1, error_if_nonfinite=True),
+        RuntimeError,
+        "non-finite",
+    ),
+    (
+        "ClipGradByGlobalNorm clip_norm <= 0",
+        None,
+        lambda ps: torchclip.ClipGradByGlobalNorm(-1.0)(ps),
+        ValueError,
+        "clip_norm must be a finite number > 0, got -1.0",
+    ),
+    (
+        "ClipGradByNorm clip_norm NaN",
+        None,
+        lambda ps: torchclip.ClipGradByNorm(math.nan)(ps),
+        ValueError,
+        "clip_norm must be a finite number > 0, got nan",
+    ),
+    (
+        "ClipGradByValue min > max",
+        None,
+        lambda ps: torchclip.ClipGradByValue(1.0, 2.0)(ps),
+        ValueError,
+        "min must be <= max, got min=2.0, max=1.0",
+    ),
+    (
+        "ClipGradByValue max <= 0 without min",
+        None,
+        lambda ps: torchclip.ClipGradByValue(-1.0)(ps),
+        ValueError,
+        "max must be > 0 when min is None",
+    ),
+    (
+        "need_clip not callable",
+        None,
+        lambda ps: torchclip.GradientClipByNorm(1.0, need_clip=1)(ps),
+        TypeError,
+        "need_clip must be a function",
+    ),
 ]
 
 
@@ -129,15 +209,31 @@ def _int_grads(params, dtype):
 REFUSED_BY_TORCH_TOO = [
     ("an integer gradient, norm", lambda ps: _int_grads(ps, torch.int64), lambda m, ps: m.clip_grad_norm_(ps, 1.0)),
     ("a bool gradient, norm", lambda ps: _int_grads(ps, torch.bool), lambda m, ps: m.clip_grad_norm_(ps, 1.0)),
-    ("an integer tensor, get_total_norm", lambda ps: _int_grads(ps, torch.int32),
-     lambda m, ps: m.get_total_norm([p.grad for p in ps])),
-    ("an integer gradient, inf norm", lambda ps: _int_grads(ps, torch.int64),
-     lambda m, ps: m.clip_grad_norm_(ps, 1.0, norm_type=math.inf)),
-    ("a complex gradient, value clip", lambda ps: [*ps[:2], _complex_param()], lambda m, ps: m.clip_grad_value_(ps, 1.0)),
-    ("non-finite norm with error_if_nonfinite", _with_nan,
-     lambda m, ps: m.clip_grad_norm_(ps, 0.1, error_if_nonfinite=True)),
-    ("an empty gradient, inf norm", lambda ps: [*ps, _empty_param()],
-     lambda m, ps: m.clip_grad_norm_(ps, 1.0, norm_type=math.inf)),
+    (
+        "an integer tensor, get_total_norm",
+        lambda ps: _int_grads(ps, torch.int32),
+        lambda m, ps: m.get_total_norm([p.grad for p in ps]),
+    ),
+    (
+        "an integer gradient, inf norm",
+        lambda ps: _int_grads(ps, torch.int64),
+        lambda m, ps: m.clip_grad_norm_(ps, 1.0, norm_type=math.inf),
+    ),
+    (
+        "a complex gradient, value clip",
+        lambda ps: [*ps[:2], _complex_param()],
+        lambda m, ps: m.clip_grad_value_(ps, 1.0),
+    ),
+    (
+        "non-finite norm with error_if_nonfinite",
+        _with_nan,
+        lambda m, ps: m.clip_grad_norm_(ps, 0.1, error_if_nonfinite=True),
+    ),
+    (
+        "an empty gradient, inf norm",
+        lambda ps: [*ps, _empty_param()],
+        lambda m, ps: m.clip_grad_norm_(ps, 1.0, norm_type=math.inf),
+    ),
     ("an item that is not a tensor", lambda ps: [*ps, 3], lambda m, ps: m.clip_grad_norm_(ps, 1.0)),
 ]
 
@@ -168,11 +264,14 @@ def test_not_a_tensor_error_is_also_what_torch_raises():
         torchclip.clip_grad_norm_([3], 1.0)
 
 
-@pytest.mark.parametrize("max_norm, check", [
-    (-1.0, lambda before, after, scale: torch.allclose(after, -before * scale)),  # torch flips (pytorch#31367)
-    (math.nan, lambda before, after, scale: after.isnan().all()),
-    (math.inf, lambda before, after, scale: torch.equal(after, before)),
-])
+@pytest.mark.parametrize(
+    "max_norm, check",
+    [
+        (-1.0, lambda before, after, scale: torch.allclose(after, -before * scale)),  # torch flips (pytorch#31367)
+        (math.nan, lambda before, after, scale: after.isnan().all()),
+        (math.inf, lambda before, after, scale: torch.equal(after, before)),
+    ],
+)
 def test_values_torch_accepts_keep_torchs_meaning(max_norm, check):
     ours, theirs = fresh(), fresh()
     torchclip.clip_grad_norm_(ours, max_norm)
@@ -207,7 +306,9 @@ def test_concurrent_calls_from_python_threads_match_serial_calls():
     for k, params in enumerate(serial_sets):
         work(params, serial_results, k)
     threaded_sets, threaded_results = parameter_sets(), [None] * 4
-    threads = [threading.Thread(target=work, args=(params, threaded_results, k)) for k, params in enumerate(threaded_sets)]
+    threads = [
+        threading.Thread(target=work, args=(params, threaded_results, k)) for k, params in enumerate(threaded_sets)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -13,16 +13,46 @@ import torchclip
 from torchclip.bench import __main__ as bench
 from torchclip.bench import workloads
 
-JSON_FIELDS = {"op", "workload", "dtype", "threads", "torch_ms", "torch_no_foreach_ms", "torchclip_ms", "bound_ms",
-               "speedup", "bound_ratio", "spread"}
+JSON_FIELDS = {
+    "op",
+    "workload",
+    "dtype",
+    "threads",
+    "torch_ms",
+    "torch_no_foreach_ms",
+    "torchclip_ms",
+    "bound_ms",
+    "speedup",
+    "bound_ratio",
+    "spread",
+}
 
 
 def test_quick_run_prints_a_table_and_writes_json(tmp_path):
     out = tmp_path / "rows.json"
-    result = subprocess.run([sys.executable, "-m", "torchclip.bench", "--quick", "--workload", "mobilenet_v3_small",
-                             "--workload", "10000x100", "--rounds", "3", "--json", str(out),
-                             "--plot", str(tmp_path / "plot.png"), "--markdown", str(tmp_path / "RESULTS.md")],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchclip.bench",
+            "--quick",
+            "--workload",
+            "mobilenet_v3_small",
+            "--workload",
+            "10000x100",
+            "--rounds",
+            "3",
+            "--json",
+            str(out),
+            "--plot",
+            str(tmp_path / "plot.png"),
+            "--markdown",
+            str(tmp_path / "RESULTS.md"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[1].split()[:4] == ["workload", "dtype", "thr", "op"]
@@ -51,8 +81,25 @@ def test_gradients_are_views_of_the_flat_buffer_or_their_own_allocations(separat
 
 def test_separate_gradients_run_and_are_named_in_the_header(tmp_path):
     out = tmp_path / "rows.json"
-    result = subprocess.run([sys.executable, "-m", "torchclip.bench", "--quick", "--workload", "10000x100", "--rounds",
-                             "2", "--grads", "separate", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchclip.bench",
+            "--quick",
+            "--workload",
+            "10000x100",
+            "--rounds",
+            "2",
+            "--grads",
+            "separate",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert "gradients: separate allocations" in result.stdout.splitlines()[0]
     assert json.loads(out.read_text())["grads"] == "separate"
@@ -60,9 +107,25 @@ def test_separate_gradients_run_and_are_named_in_the_header(tmp_path):
 
 def test_generator_parameters_run_and_are_named_in_the_header(tmp_path):
     out = tmp_path / "rows.json"
-    result = subprocess.run([sys.executable, "-m", "torchclip.bench", "--quick", "--workload", "mobilenet_v3_small",
-                             "--rounds", "2", "--params", "generator", "--json", str(out)],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchclip.bench",
+            "--quick",
+            "--workload",
+            "mobilenet_v3_small",
+            "--rounds",
+            "2",
+            "--params",
+            "generator",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert "parameters passed as a generator" in result.stdout.splitlines()[0]
     assert json.loads(out.read_text())["params"] == "generator"
@@ -108,29 +171,53 @@ def test_every_shipped_workload_loads():
     assert workloads.numel(workloads.shapes("gpt2_124m")) == 124439808
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--workload", "nope"], "unknown; choose from"),
-    (["--dtype", "int8"], "--dtype 'int8': unknown"),
-    (["--threads", "0"], "expected a comma list of positive integers"),
-    (["--grads", "flat"], "invalid choice: 'flat'"),
-    (["--model", "torch.nn"], "expected module:callable"),
-    (["--model", "no_such_module:f"], "cannot import it"),
-    pytest.param(["--device", "cuda"], "--device cuda: torch sees no CUDA device here",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--workload", "nope"], "unknown; choose from"),
+        (["--dtype", "int8"], "--dtype 'int8': unknown"),
+        (["--threads", "0"], "expected a comma list of positive integers"),
+        (["--grads", "flat"], "invalid choice: 'flat'"),
+        (["--model", "torch.nn"], "expected module:callable"),
+        (["--model", "no_such_module:f"], "cannot import it"),
+        pytest.param(
+            ["--device", "cuda"],
+            "--device cuda: torch sees no CUDA device here",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here"),
+        ),
+    ],
+)
 def test_bad_arguments_are_named(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or "cuda" not in torchclip._ops.KERNEL_DEVICES,
-                    reason="needs a GPU and torchclip's CUDA kernels")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or "cuda" not in torchclip._ops.KERNEL_DEVICES,
+    reason="needs a GPU and torchclip's CUDA kernels",
+)
 def test_quick_cuda_run(tmp_path):
     out = tmp_path / "rows.json"
-    result = subprocess.run([sys.executable, "-m", "torchclip.bench", "--quick", "--device", "cuda", "--workload",
-                             "10000x100", "--rounds", "3", "--json", str(out)], capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchclip.bench",
+            "--quick",
+            "--device",
+            "cuda",
+            "--workload",
+            "10000x100",
+            "--rounds",
+            "3",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert "GPU: " in result.stdout.splitlines()[0]
     rows = json.loads(out.read_text())["rows"]
@@ -153,9 +240,29 @@ def test_step_mode_rows(tmp_path):
     """--step: the four candidates on one optimizer, and the added-cost columns derived from them."""
     out = tmp_path / "steps.json"
     page = tmp_path / "RESULTS-step.md"
-    result = subprocess.run([sys.executable, "-m", "torchclip.bench", "--step", "adamw-fused", "--step", "sgd",
-                             "--workload", "2000x64x64", "--rounds", "3", "--quick", "--json", str(out),
-                             "--markdown", str(page)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchclip.bench",
+            "--step",
+            "adamw-fused",
+            "--step",
+            "sgd",
+            "--workload",
+            "2000x64x64",
+            "--rounds",
+            "3",
+            "--quick",
+            "--json",
+            str(out),
+            "--markdown",
+            str(page),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[1].split()[:4] == ["optimizer", "workload", "dtype", "thr"]
     rows = json.loads(out.read_text())["step_rows"]
@@ -171,8 +278,24 @@ def test_adaptive_mode_rows(tmp_path):
     """--adaptive: every adaptive clip, its ratios derived from the timed candidates; the references that
     are installed (zclip, autoclip; timm where it is) timed beside it."""
     out = tmp_path / "adaptive.json"
-    result = subprocess.run([sys.executable, "-m", "torchclip.bench", "--adaptive", "--workload", "2000x64x64",
-                             "--rounds", "3", "--quick", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchclip.bench",
+            "--adaptive",
+            "--workload",
+            "2000x64x64",
+            "--rounds",
+            "3",
+            "--quick",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[1].split()[:4] == ["clip", "workload", "dtype", "thr"]
     rows = json.loads(out.read_text())["adaptive_rows"]

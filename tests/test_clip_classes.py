@@ -128,8 +128,9 @@ def test_pairs_form_returns_pairs_without_none_grads(clip):
         assert torch.equal(g, t.grad)
 
 
-@pytest.mark.parametrize("make_clip", [lambda: ClipGradByGlobalNorm(0.01), lambda: ClipGradByNorm(0.01),
-                                       lambda: ClipGradByValue(0.001)])
+@pytest.mark.parametrize(
+    "make_clip", [lambda: ClipGradByGlobalNorm(0.01), lambda: ClipGradByNorm(0.01), lambda: ClipGradByValue(0.001)]
+)
 def test_need_clip_false_is_neither_clipped_nor_counted(make_clip):
     params = params_of(torch.float32)
     torchclip.set_need_clip(params[1], False)
@@ -157,9 +158,11 @@ def test_legacy_need_clip_predicate_and_attribute_both_exclude():
 
 
 def test_legacy_classes_match_the_new_ones():
-    for legacy, modern in [(GradientClipByValue(0.1, -0.05), ClipGradByValue(0.1, -0.05)),
-                           (GradientClipByNorm(0.2), ClipGradByNorm(0.2)),
-                           (GradientClipByGlobalNorm(0.2, "g"), ClipGradByGlobalNorm(0.2, "g"))]:
+    for legacy, modern in [
+        (GradientClipByValue(0.1, -0.05), ClipGradByValue(0.1, -0.05)),
+        (GradientClipByNorm(0.2), ClipGradByNorm(0.2)),
+        (GradientClipByGlobalNorm(0.2, "g"), ClipGradByGlobalNorm(0.2, "g")),
+    ]:
         a, b = params_of(torch.float32), params_of(torch.float32)
         legacy(a)
         modern(b)
@@ -175,25 +178,28 @@ def test_exclude_from_clipping_marks_biases_and_norm_layers():
 # ---- bad arguments -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("factory, error, message", [
-    (lambda: ClipGradByGlobalNorm(0.0), ValueError, "clip_norm must be a finite number > 0, got 0.0"),
-    (lambda: ClipGradByGlobalNorm(-1.0), ValueError, "clip_norm must be a finite number > 0, got -1.0"),
-    (lambda: ClipGradByGlobalNorm(math.inf), ValueError, "clip_norm must be a finite number > 0, got inf"),
-    (lambda: ClipGradByGlobalNorm(math.nan), ValueError, "clip_norm must be a finite number > 0, got nan"),
-    (lambda: ClipGradByGlobalNorm("x"), TypeError, "clip_norm must be a number, got 'x'"),
-    (lambda: ClipGradByGlobalNorm(1.0, group_name=3), TypeError, "group_name must be a str, got 3"),
-    (lambda: ClipGradByGlobalNorm(1.0, auto_skip_clip=1), TypeError, "auto_skip_clip must be a bool, got 1"),
-    (lambda: ClipGradByNorm(0), ValueError, "clip_norm must be a finite number > 0, got 0"),
-    (lambda: ClipGradByValue(0.0), ValueError, "max must be > 0 when min is None, got max=0.0"),
-    (lambda: ClipGradByValue(-1.0), ValueError, "max must be > 0 when min is None, got max=-1.0"),
-    (lambda: ClipGradByValue(1.0, 2.0), ValueError, "min must be <= max, got min=2.0, max=1.0"),
-    (lambda: ClipGradByValue(math.nan, 0.0), ValueError, "bounds must not be NaN"),
-    (lambda: GradientClipByNorm(1.0, need_clip=True), TypeError, "need_clip must be a function"),
-    (lambda: GradientClipByGlobalNorm(1.0, need_clip="all"), TypeError, "need_clip must be a function"),
-    (lambda: GradientClipByValue(1.0, need_clip=3), TypeError, "need_clip must be a function"),
-    (lambda: torchclip.set_need_clip([torch.zeros(1), "w"], False), TypeError, "item 1 is str"),
-    (lambda: torchclip.set_need_clip(torch.nn.Linear(2, 2), 0), TypeError, "need_clip must be a bool, got 0"),
-])
+@pytest.mark.parametrize(
+    "factory, error, message",
+    [
+        (lambda: ClipGradByGlobalNorm(0.0), ValueError, "clip_norm must be a finite number > 0, got 0.0"),
+        (lambda: ClipGradByGlobalNorm(-1.0), ValueError, "clip_norm must be a finite number > 0, got -1.0"),
+        (lambda: ClipGradByGlobalNorm(math.inf), ValueError, "clip_norm must be a finite number > 0, got inf"),
+        (lambda: ClipGradByGlobalNorm(math.nan), ValueError, "clip_norm must be a finite number > 0, got nan"),
+        (lambda: ClipGradByGlobalNorm("x"), TypeError, "clip_norm must be a number, got 'x'"),
+        (lambda: ClipGradByGlobalNorm(1.0, group_name=3), TypeError, "group_name must be a str, got 3"),
+        (lambda: ClipGradByGlobalNorm(1.0, auto_skip_clip=1), TypeError, "auto_skip_clip must be a bool, got 1"),
+        (lambda: ClipGradByNorm(0), ValueError, "clip_norm must be a finite number > 0, got 0"),
+        (lambda: ClipGradByValue(0.0), ValueError, "max must be > 0 when min is None, got max=0.0"),
+        (lambda: ClipGradByValue(-1.0), ValueError, "max must be > 0 when min is None, got max=-1.0"),
+        (lambda: ClipGradByValue(1.0, 2.0), ValueError, "min must be <= max, got min=2.0, max=1.0"),
+        (lambda: ClipGradByValue(math.nan, 0.0), ValueError, "bounds must not be NaN"),
+        (lambda: GradientClipByNorm(1.0, need_clip=True), TypeError, "need_clip must be a function"),
+        (lambda: GradientClipByGlobalNorm(1.0, need_clip="all"), TypeError, "need_clip must be a function"),
+        (lambda: GradientClipByValue(1.0, need_clip=3), TypeError, "need_clip must be a function"),
+        (lambda: torchclip.set_need_clip([torch.zeros(1), "w"], False), TypeError, "item 1 is str"),
+        (lambda: torchclip.set_need_clip(torch.nn.Linear(2, 2), 0), TypeError, "need_clip must be a bool, got 0"),
+    ],
+)
 def test_bad_arguments_name_the_argument_and_value(factory, error, message):
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
         factory()
@@ -203,8 +209,10 @@ class SubclassedGrad(torch.Tensor):
     """A tensor subclass: the classes must take their general (torch-op) path for it."""
 
 
-@pytest.mark.parametrize("make_clip", [lambda: ClipGradByGlobalNorm(0.05), lambda: ClipGradByNorm(0.05),
-                                       lambda: ClipGradByValue(0.01, -0.02)])
+@pytest.mark.parametrize(
+    "make_clip",
+    [lambda: ClipGradByGlobalNorm(0.05), lambda: ClipGradByNorm(0.05), lambda: ClipGradByValue(0.01, -0.02)],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_general_path_agrees_with_the_kernels(make_clip, dtype):
     plain = params_of(dtype)
@@ -215,8 +223,9 @@ def test_general_path_agrees_with_the_kernels(make_clip, dtype):
     make_clip()(other)
     for p, q in zip(plain, other):
         assert type(q.grad) is SubclassedGrad
-        torch.testing.assert_close(q.grad.as_subclass(torch.Tensor).double(), p.grad.double(),
-                                   rtol=CLIP_RTOL[dtype], atol=1e-6)
+        torch.testing.assert_close(
+            q.grad.as_subclass(torch.Tensor).double(), p.grad.double(), rtol=CLIP_RTOL[dtype], atol=1e-6
+        )
 
 
 # ---- what the clips keep for logging ---------------------------------------------------------------
@@ -292,8 +301,10 @@ LONG = 5000
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("make_clip", [lambda: ClipGradByGlobalNorm(0.05), lambda: ClipGradByNorm(0.01),
-                                       lambda: ClipGradByValue(0.01, -0.02)])
+@pytest.mark.parametrize(
+    "make_clip",
+    [lambda: ClipGradByGlobalNorm(0.05), lambda: ClipGradByNorm(0.01), lambda: ClipGradByValue(0.01, -0.02)],
+)
 def test_need_clip_on_a_long_list_matches_the_python_path(make_clip, threads):
     torch.set_num_threads(threads)  # (conftest restores it)
     params = make_params([((3 + i % 5,), torch.float32) for i in range(LONG)], seed=21, none_every=11)

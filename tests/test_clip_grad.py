@@ -54,7 +54,7 @@ def test_signature_matches_torch(name):
     ours, theirs = shape(getattr(torchclip, name)), shape(getattr(torch.nn.utils, name))
     assert ours[: len(theirs)] == theirs
     # torchclip's additions (process_group) are keyword-only with a default: every torch call still fits
-    assert all(kind == inspect.Parameter.KEYWORD_ONLY and default is None for _, kind, default in ours[len(theirs):])
+    assert all(kind == inspect.Parameter.KEYWORD_ONLY and default is None for _, kind, default in ours[len(theirs) :])
 
 
 # ---- clip_grad_norm_ ------------------------------------------------------------------------------
@@ -222,7 +222,8 @@ def test_foreach_argument_is_accepted_on_cpu(foreach):
     ours = make_params([((10,), torch.float32)] * 3)
     theirs = clone_params(ours)
     torch.testing.assert_close(
-        torchclip.clip_grad_norm_(ours, 0.1, foreach=foreach), torch.nn.utils.clip_grad_norm_(theirs, 0.1, foreach=foreach)
+        torchclip.clip_grad_norm_(ours, 0.1, foreach=foreach),
+        torch.nn.utils.clip_grad_norm_(theirs, 0.1, foreach=foreach),
     )
     torchclip.clip_grad_value_(ours, 0.01, foreach=foreach)
     torch.nn.utils.clip_grad_value_(theirs, 0.01, foreach=foreach)
@@ -360,8 +361,13 @@ spec_strategy = st.tuples(shape_strategy, st.sampled_from(DTYPES), st.sampled_fr
 
 
 @settings(max_examples=150, deadline=None)
-@given(specs=st.lists(spec_strategy, min_size=1, max_size=12), norm_type=st.sampled_from(FAST_NORM_TYPES + [0.0, 3.0]),
-       max_norm=st.floats(1e-3, 10.0), scale=st.sampled_from([1e-3, 1.0, 30.0]), seed=st.integers(0, 2**16))
+@given(
+    specs=st.lists(spec_strategy, min_size=1, max_size=12),
+    norm_type=st.sampled_from(FAST_NORM_TYPES + [0.0, 3.0]),
+    max_norm=st.floats(1e-3, 10.0),
+    scale=st.sampled_from([1e-3, 1.0, 30.0]),
+    seed=st.integers(0, 2**16),
+)
 def test_hypothesis_clip_grad_norm(specs, norm_type, max_norm, scale, seed):
     specs = [(s, d, lay if len(s) > 1 else "contiguous") for s, d, lay in specs]
     if norm_type == math.inf:

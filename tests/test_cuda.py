@@ -90,8 +90,10 @@ def ref_norm(tensors, norm_type):
     """testing.reference_norm, for complex tensors too (norms of the magnitudes, as torch)."""
     if not any(t.is_complex() for t in tensors):
         return reference_norm(tensors, norm_type)
-    norms = [torch.linalg.vector_norm(t.detach().to(torch.complex128 if t.is_complex() else torch.float64), norm_type)
-             for t in tensors]
+    norms = [
+        torch.linalg.vector_norm(t.detach().to(torch.complex128 if t.is_complex() else torch.float64), norm_type)
+        for t in tensors
+    ]
     return torch.linalg.vector_norm(torch.stack(norms), norm_type).item()
 
 
@@ -132,8 +134,11 @@ def test_norm_against_float64_reference_and_cpu(dtype, norm_type):
 @pytest.mark.parametrize("norm_type", [2.0, math.inf, 3.0, 0.0])
 def test_norm_layouts_take_kernel_or_aten(layout, norm_type):
     # "strided" is not dense (ATen's path); the others are walked as flat spans.
-    tensors = [cuda_tensor(shape, dtype, i, 1.0, layout) for i, shape in enumerate([(3, 5), (64, 33), (300, 257)])
-               for dtype in (torch.float32, torch.bfloat16)]
+    tensors = [
+        cuda_tensor(shape, dtype, i, 1.0, layout)
+        for i, shape in enumerate([(3, 5), (64, 33), (300, 257)])
+        for dtype in (torch.float32, torch.bfloat16)
+    ]
     total, per_tensor = ops.multi_tensor_norm(tensors, norm_type, False)
     assert_norm_close(total, reference_norm(tensors, norm_type), layout, tensors)
     expected = torch.stack([torch.linalg.vector_norm(t.double(), norm_type) for t in tensors])
@@ -141,8 +146,12 @@ def test_norm_layouts_take_kernel_or_aten(layout, norm_type):
 
 
 def test_norm_mixed_dtypes_in_one_call():
-    tensors = [make_tensor((n,), dtype, i).to(CUDA) for i, (n, dtype) in
-               enumerate([(1000, torch.float16), (70000, torch.bfloat16), (5, torch.float32), (65537, torch.float64)])]
+    tensors = [
+        make_tensor((n,), dtype, i).to(CUDA)
+        for i, (n, dtype) in enumerate(
+            [(1000, torch.float16), (70000, torch.bfloat16), (5, torch.float32), (65537, torch.float64)]
+        )
+    ]
     for norm_type in NORM_TYPES:
         total, _ = ops.multi_tensor_norm(tensors, norm_type, False)
         assert total.dtype == torch.float64  # the promotion of the inputs, as torch's
@@ -171,8 +180,10 @@ def test_norm_complex_and_negated_views_take_aten():
 def test_norm_fp32_range_values_do_not_overflow(dtype):
     # Squares of 1e20 overflow float32 (torch returns inf and zeroes the gradients); accumulated in
     # float64 the norm is 1e20 * sqrt(1e6 + 1000).
-    tensors = [torch.full((1000,), 1e20, dtype=dtype, device=CUDA), torch.full((1_000_000,), 1e20, dtype=dtype,
-                                                                               device=CUDA)]
+    tensors = [
+        torch.full((1000,), 1e20, dtype=dtype, device=CUDA),
+        torch.full((1_000_000,), 1e20, dtype=dtype, device=CUDA),
+    ]
     total, per_tensor = ops.multi_tensor_norm(tensors, 2.0, False)
     value = float(torch.tensor(1e20, dtype=dtype))
     assert_norm_close(total, value * math.sqrt(1_001_000), "total")  # (rounded to the total's dtype)
@@ -239,9 +250,13 @@ def test_norm_many_tensors_span_several_launches(count):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_scale_matches_the_cpu_op_exactly(dtype, layout):
     tensors = cuda_list(dtype, seed=7, layout=layout)
-    for scale in [torch.tensor(0.3), torch.tensor(0.3, device=CUDA), torch.tensor(1.0, device=CUDA),
-                  torch.tensor(1e-41, dtype=torch.float64, device=CUDA),
-                  torch.rand(len(tensors), dtype=torch.float64, device=CUDA)]:
+    for scale in [
+        torch.tensor(0.3),
+        torch.tensor(0.3, device=CUDA),
+        torch.tensor(1.0, device=CUDA),
+        torch.tensor(1e-41, dtype=torch.float64, device=CUDA),
+        torch.rand(len(tensors), dtype=torch.float64, device=CUDA),
+    ]:
         on_gpu = [t.clone() for t in tensors]
         on_cpu = [t.cpu() for t in tensors]
         ops.multi_tensor_scale_(on_gpu, scale)
@@ -311,8 +326,12 @@ def test_clip_grad_norm_matches_torch_nn_utils(dtype, norm_type):
 
 
 def test_clip_grad_norm_mixed_list_and_aten_path():
-    grads = [make_tensor((n,), dtype, i).to(CUDA) for i, (n, dtype) in
-             enumerate([(1000, torch.float16), (70000, torch.bfloat16), (5000, torch.float32), (65537, torch.float64)])]
+    grads = [
+        make_tensor((n,), dtype, i).to(CUDA)
+        for i, (n, dtype) in enumerate(
+            [(1000, torch.float16), (70000, torch.bfloat16), (5000, torch.float32), (65537, torch.float64)]
+        )
+    ]
     grads.append(torch.randn(100, 20, device=CUDA)[:, ::2])  # not dense: ATen's path
     grads.append(torch.randn(50, dtype=torch.complex64, device=CUDA))
     before = [g.clone() for g in grads]
@@ -323,8 +342,13 @@ def test_clip_grad_norm_mixed_list_and_aten_path():
     coefficient = 1.0 / (reference + 1e-6)
     for i, (g, b) in enumerate(zip(grads, before)):
         rtol = CLIP_RTOL.get(b.dtype, CLIP_RTOL[torch.float32])
-        torch.testing.assert_close(g.to(torch.complex128), b.to(torch.complex128) * coefficient, rtol=rtol,
-                                   atol=subnormal_spacing(b.dtype), msg=f"grads[{i}]")
+        torch.testing.assert_close(
+            g.to(torch.complex128),
+            b.to(torch.complex128) * coefficient,
+            rtol=rtol,
+            atol=subnormal_spacing(b.dtype),
+            msg=f"grads[{i}]",
+        )
 
 
 def test_clip_grad_norm_of_fp32_1e20():
@@ -433,8 +457,9 @@ def test_no_host_sync():
 
 
 def test_cuda_graph_capture_and_replay():
-    grads = cuda_list(torch.float32, seed=31, sizes=[1000, 65537, 300001]) + cuda_list(torch.float16, seed=37,
-                                                                                       sizes=[5, 70000])
+    grads = cuda_list(torch.float32, seed=31, sizes=[1000, 65537, 300001]) + cuda_list(
+        torch.float16, seed=37, sizes=[5, 70000]
+    )
     originals = [g.clone() for g in grads]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -458,7 +483,8 @@ def test_cuda_graph_capture_and_replay():
 
 def test_deterministic_bits():
     tensors = cuda_list(torch.float32, seed=41, sizes=[65536 * 400 + 5, 1000, 3000000]) + cuda_list(
-        torch.bfloat16, seed=43, sizes=[65536 * 50 + 1] * 3)
+        torch.bfloat16, seed=43, sizes=[65536 * 50 + 1] * 3
+    )
     for norm_type in [2.0, 1.0, 3.0]:
         first = ops.multi_tensor_norm(tensors, norm_type, False)
         for _ in range(5):
@@ -474,11 +500,15 @@ def test_deterministic_bits():
 
 OPCHECK_CASES = {
     "multi_tensor_norm": lambda: ((cuda_list(torch.float32)[1:5], 2.0, False),),
-    "multi_tensor_scale_": lambda: ((cuda_list(torch.float16)[:5], torch.tensor(0.5, device=CUDA)),
-                                    (cuda_list(torch.float32)[:3], torch.tensor([0.5, 1.0, 2.0], device=CUDA))),
+    "multi_tensor_scale_": lambda: (
+        (cuda_list(torch.float16)[:5], torch.tensor(0.5, device=CUDA)),
+        (cuda_list(torch.float32)[:3], torch.tensor([0.5, 1.0, 2.0], device=CUDA)),
+    ),
     "multi_tensor_clamp_": lambda: ((cuda_list(torch.bfloat16)[:5], -0.5, 0.5),),
-    "clip_grad_norm_": lambda: ((cuda_list(torch.float32)[1:6], 0.1, 2.0, False),
-                                (cuda_list(torch.float16)[1:6], 0.1, 2.0, False, 0.0, True)),
+    "clip_grad_norm_": lambda: (
+        (cuda_list(torch.float32)[1:6], 0.1, 2.0, False),
+        (cuda_list(torch.float16)[1:6], 0.1, 2.0, False, 0.0, True),
+    ),
     "clip_by_tensor_norm_": lambda: ((cuda_list(torch.float64)[1:6], 1.0),),
 }
 
@@ -512,8 +542,9 @@ def test_drop_ins_route_cuda_gradients_to_the_kernels(dtype, norm_type):
     # torch zeroes every gradient. Ours is clipped by the float64 norm, so the oracle is the reference.
     oracles = [q.grad for q in theirs] if torch.isfinite(expected) else true_clip
     for p, oracle in zip(ours, oracles):
-        torch.testing.assert_close(p.grad.double(), oracle.double(), rtol=CLIP_RTOL[dtype],
-                                   atol=max(1e-6, subnormal_spacing(dtype)))
+        torch.testing.assert_close(
+            p.grad.double(), oracle.double(), rtol=CLIP_RTOL[dtype], atol=max(1e-6, subnormal_spacing(dtype))
+        )
     ours = cuda_params(dtype, seed=53, scale=3.0)
     theirs = clone_params(ours)
     torchclip.clip_grad_value_(ours, 0.5)
@@ -681,12 +712,15 @@ def test_eager_walk_splits_cuda_gradients_the_kernels_do_not_take():
     assert all(torch.equal(p.grad, e) for p, e in zip(ours[:-1], expected))
 
 
-@pytest.mark.parametrize("clip, op_name", [
-    (lambda params: torchclip.clip_grad_norm_(params, 1.0), "torchclip::clip_grad_norm_"),
-    (lambda params: torchclip.clip_grad_value_(params, 0.5), "torchclip::multi_tensor_clamp_"),
-    (lambda params: torchclip.get_total_norm([p.grad for p in params]), "torchclip::multi_tensor_norm"),
-    (lambda params: torchclip.ClipGradByNorm(0.1)(params), "torchclip::clip_by_tensor_norm_"),
-])
+@pytest.mark.parametrize(
+    "clip, op_name",
+    [
+        (lambda params: torchclip.clip_grad_norm_(params, 1.0), "torchclip::clip_grad_norm_"),
+        (lambda params: torchclip.clip_grad_value_(params, 0.5), "torchclip::multi_tensor_clamp_"),
+        (lambda params: torchclip.get_total_norm([p.grad for p in params]), "torchclip::multi_tensor_norm"),
+        (lambda params: torchclip.ClipGradByNorm(0.1)(params), "torchclip::clip_by_tensor_norm_"),
+    ],
+)
 def test_the_profiler_sees_the_cuda_fast_path(clip, op_name):
     params = cuda_params(torch.float32, seed=65, scale=3.0)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:

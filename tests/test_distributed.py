@@ -139,8 +139,9 @@ def dtensor_parameters(full, mesh, placements, weights=None):
 
 
 def plain_parameters(full, weights=None):
-    params = [torch.nn.Parameter(torch.zeros_like(g) if weights is None else w.clone())
-              for g, w in zip(full, weights or full)]
+    params = [
+        torch.nn.Parameter(torch.zeros_like(g) if weights is None else w.clone()) for g, w in zip(full, weights or full)
+    ]
     for p, g in zip(params, full):
         p.grad = g.clone()
     return params
@@ -201,8 +202,10 @@ def two_dim_mesh_worker(rank, world, init_method):
             [Replicate(), Shard(0)],  # HSDP: replicated across dp groups, sharded within
             [Replicate(), Replicate()],
         ]
-        placements = [layouts[i % len(layouts)] if g.dim() > 1 or i % len(layouts) != 0 else [Shard(0), Replicate()]
-                      for i, g in enumerate(full)]
+        placements = [
+            layouts[i % len(layouts)] if g.dim() > 1 or i % len(layouts) != 0 else [Shard(0), Replicate()]
+            for i, g in enumerate(full)
+        ]
         check_dtensor_clipping(full, lambda: dtensor_parameters(full, mesh, placements))
         # Two meshes over the same ranks: a 1-D one and the 2-D one.
         flat = init_device_mesh("cpu", (world,))
@@ -337,8 +340,9 @@ def adaptive_worker(rank, world, init_method):
                 clip(params)
                 reference_clip(reference)
                 for p, q in zip(params, reference):
-                    torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-9,
-                                               msg=f"{name}, step {step}")
+                    torch.testing.assert_close(
+                        p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-9, msg=f"{name}, step {step}"
+                    )
                 if name == "skip-on-spike":
                     assert bool(clip.skip) == bool(reference_clip.skip), step
     finally:
@@ -375,8 +379,13 @@ def hand_sharded_adaptive_worker(rank, world, init_method):
                 # each norm is within NORM_RTOL of the true one; the ranks and one process sum in other blocks
                 torch.testing.assert_close(last(clip), last(reference_clip), rtol=2 * NORM_RTOL[torch.float32], atol=0)
                 for p, piece in zip(params, pieces):
-                    torch.testing.assert_close(p.grad, expected_piece(reference, piece, world),
-                                               rtol=CLIP_RTOL[torch.float32], atol=1e-9, msg=f"{name}, step {step}")
+                    torch.testing.assert_close(
+                        p.grad,
+                        expected_piece(reference, piece, world),
+                        rtol=CLIP_RTOL[torch.float32],
+                        atol=1e-9,
+                        msg=f"{name}, step {step}",
+                    )
     finally:
         dist.destroy_process_group()
 

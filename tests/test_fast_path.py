@@ -108,8 +108,9 @@ LONG = 5000
 
 
 def long_params(seed, none_every=0):
-    return make_params([((3 + i % 5,), torch.float32) for i in range(LONG)], seed=seed, scale=10.0,
-                       none_every=none_every)
+    return make_params(
+        [((3 + i % 5,), torch.float32) for i in range(LONG)], seed=seed, scale=10.0, none_every=none_every
+    )
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -136,7 +137,7 @@ def test_a_long_list_bumps_each_version_once():
     flat = torch.full((LONG * 2,), 5.0)
     views = [torch.nn.Parameter(torch.zeros(2)) for _ in range(LONG)]
     for k, p in enumerate(views):
-        p.grad = flat[2 * k: 2 * k + 2]
+        p.grad = flat[2 * k : 2 * k + 2]
     before, flat_before = [p.grad._version for p in params], flat._version
     torchclip.clip_grad_value_(params + views, 1.0)
     assert [p.grad._version for p in params] == [v + 1 for v in before]
@@ -186,7 +187,7 @@ def test_grad_mode_changes_nothing():
             torch.testing.assert_close(p.grad, q.grad, rtol=2e-5, atol=1e-7)
 
     weight = torch.nn.Parameter(torch.tensor([3.0, -4.0]))
-    (weight ** 3).sum().backward(create_graph=True)
+    (weight**3).sum().backward(create_graph=True)
     assert weight.grad.requires_grad
     reference = weight.grad.detach().clone()
     with torch.enable_grad():
@@ -202,8 +203,10 @@ def test_grad_mode_changes_nothing():
 PROFILED_CALLS = {
     "clip_grad_norm_": (lambda params: torchclip.clip_grad_norm_(params, 0.1), "torchclip::clip_grad_norm_"),
     "clip_grad_value_": (lambda params: torchclip.clip_grad_value_(params, 0.1), "torchclip::multi_tensor_clamp_"),
-    "get_total_norm": (lambda params: torchclip.get_total_norm([p.grad for p in params]),
-                       "torchclip::multi_tensor_norm"),
+    "get_total_norm": (
+        lambda params: torchclip.get_total_norm([p.grad for p in params]),
+        "torchclip::multi_tensor_norm",
+    ),
     "ClipGradByNorm": (lambda params: torchclip.ClipGradByNorm(0.1)(params), "torchclip::clip_by_tensor_norm_"),
 }
 

@@ -49,10 +49,12 @@ TORCH_CLIP_GRAD_NORM_ = torch.nn.utils.clip_grad_norm_
 TORCH_CLIP_GRAD_VALUE_ = torch.nn.utils.clip_grad_value_
 
 # Lightning's advice to use DataLoader workers, its note that the dataloader is small, etc.
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning:pytorch_lightning"),
-              pytest.mark.filterwarnings("ignore::UserWarning:lightning_fabric"),
-              pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning"),
-              pytest.mark.filterwarnings(r"ignore:.*isinstance\(treespec, LeafSpec\)")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning:pytorch_lightning"),
+    pytest.mark.filterwarnings("ignore::UserWarning:lightning_fabric"),
+    pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning"),
+    pytest.mark.filterwarnings(r"ignore:.*isinstance\(treespec, LeafSpec\)"),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -96,8 +98,9 @@ def assert_params_close(actual, expected):
 
 
 def assert_params_differ(actual, expected):
-    assert any(not torch.allclose(a, e, rtol=1e-3, atol=1e-4) for a, e in zip(actual, expected)), \
+    assert any(not torch.allclose(a, e, rtol=1e-3, atol=1e-4) for a, e in zip(actual, expected)), (
         "clipping changed nothing: the test would pass without it"
+    )
 
 
 # ---- Lightning ------------------------------------------------------------------------------------
@@ -134,9 +137,17 @@ class Regression(pl.LightningModule):
 def fit(module, tmp_path, **trainer_kwargs) -> list[torch.Tensor]:
     x, y = regression_batches()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                         **trainer_kwargs)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **trainer_kwargs,
+    )
     trainer.fit(module, train_dataloaders=loader)
     assert trainer.global_step == STEPS
     return params_of(module)
@@ -145,8 +156,12 @@ def fit(module, tmp_path, **trainer_kwargs) -> list[torch.Tensor]:
 def torch_lightning_run(clip_val, algorithm, tmp_path, kernel_spy):
     """Lightning's own clipping (torch.nn.utils, unpatched); torchclip must not run."""
     kernel_spy.reset()
-    params = fit(Regression(), tmp_path / f"torch-{clip_val}-{algorithm}", gradient_clip_val=clip_val,
-                 gradient_clip_algorithm=algorithm)
+    params = fit(
+        Regression(),
+        tmp_path / f"torch-{clip_val}-{algorithm}",
+        gradient_clip_val=clip_val,
+        gradient_clip_algorithm=algorithm,
+    )
     assert kernel_spy.clips == 0
     return params
 
@@ -163,8 +178,7 @@ def test_lightning_gradient_clip_val_under_patch(algorithm, clip_val, kernel_spy
         # Lightning's precision plugin reads torch.nn.utils.clip_grad_{norm,value}_ when it clips.
         assert torch.nn.utils.clip_grad_norm_ is torchclip.clip_grad_norm_
         assert torch.nn.utils.clip_grad_value_ is torchclip.clip_grad_value_
-        actual = fit(Regression(), tmp_path / "patched", gradient_clip_val=clip_val,
-                     gradient_clip_algorithm=algorithm)
+        actual = fit(Regression(), tmp_path / "patched", gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm)
     assert kernel_spy.clips == STEPS, kernel_spy.calls  # one torchclip clip per step
     if algorithm == "value":
         assert_params_equal(actual, expected)  # the same clamp
@@ -173,8 +187,10 @@ def test_lightning_gradient_clip_val_under_patch(algorithm, clip_val, kernel_spy
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("algorithm, make_clip", [("value", lambda: torchclip.ClipGradByValue(0.05)),
-                                                  ("norm", lambda: torchclip.ClipGradByGlobalNorm(0.5))])
+@pytest.mark.parametrize(
+    "algorithm, make_clip",
+    [("value", lambda: torchclip.ClipGradByValue(0.05)), ("norm", lambda: torchclip.ClipGradByGlobalNorm(0.5))],
+)
 def test_lightning_optimizer_with_grad_clip(algorithm, make_clip, kernel_spy, tmp_path):
     """configure_optimizers returns torchclip.optim.SGD(grad_clip=...): Lightning steps it with a closure
     (automatic optimization), so the hook must clip after the closure's backward."""
@@ -216,8 +232,11 @@ def test_lightning_16_mixed_fused_optimizer_with_grad_clip(name, tmp_path):
 
     with pytest.raises(RuntimeError, match="fused"):
         fit(Regression(fused), tmp_path / "refused", **fp16(gradient_clip_val=0.5))
-    expected = fit(Regression(functools.partial(getattr(torch.optim, name), foreach=True, **kwargs)),
-                   tmp_path / "torch", **fp16(gradient_clip_val=0.5, gradient_clip_algorithm="norm"))
+    expected = fit(
+        Regression(functools.partial(getattr(torch.optim, name), foreach=True, **kwargs)),
+        tmp_path / "torch",
+        **fp16(gradient_clip_val=0.5, gradient_clip_algorithm="norm"),
+    )
     unclipped = fit(Regression(fused), tmp_path / "unclipped", **fp16())
     assert_params_differ(expected, unclipped)
 
@@ -330,8 +349,9 @@ class TokenDataset(torch.utils.data.Dataset):
 def tiny_gpt2_state():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=32,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     torch.manual_seed(0)
     return config, {k: v.clone() for k, v in GPT2LMHeadModel(config).state_dict().items()}
 
@@ -343,10 +363,22 @@ def transformers_run(max_grad_norm, output_dir):
     model = GPT2LMHeadModel(config)
     model.load_state_dict(state)
     args = TrainingArguments(
-        output_dir=str(output_dir), max_steps=STEPS, per_device_train_batch_size=4, max_grad_norm=max_grad_norm,
-        optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True, use_cpu=True,
-        dataloader_num_workers=0, seed=0,
+        output_dir=str(output_dir),
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        max_grad_norm=max_grad_norm,
+        optim="sgd",
+        learning_rate=0.5,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        seed=0,
     )
     trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(config.vocab_size))
     with warnings.catch_warnings():

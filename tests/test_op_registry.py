@@ -31,7 +31,7 @@ def writes(name):
 
 
 def test_the_ops_are_the_schemas_of_ops_cpp():
-    assert OPS and OPS == sorted(re.findall(r'm\.def\("(\w+)\(', (CSRC / "ops.cpp").read_text()))
+    assert OPS and OPS == sorted(re.findall(r'm\.def\(\s*"(\w+)\(', (CSRC / "ops.cpp").read_text()))
 
 
 @pytest.mark.parametrize("name", OPS)
@@ -44,7 +44,8 @@ def test_op_is_registered_for_every_key(name):
     if writes(name):
         assert not falls_through(name, "Autograd"), "a writing op needs ops_autograd.cpp's checks and bumps"
         assert has_kernel(name, "ADInplaceOrView"), (
-            "a writing op bumps versions under inference mode too (ops_autograd.cpp, for_each_writing_op)")
+            "a writing op bumps versions under inference mode too (ops_autograd.cpp, for_each_writing_op)"
+        )
     else:
         assert falls_through(name, "Autograd"), "a read-only op falls through Autograd"
 
@@ -55,4 +56,3 @@ def test_op_has_its_handle_wrapper_and_tests(name):
     assert callable(getattr(_ops, name, None)), "no wrapper in torchclip/_ops.py"
     assert name in OPCHECK_CASES, "no OPCHECK_CASES entry (tests/test_ops.py)"
     assert name in NEG_CONJ_CASES, "no NEG_CONJ_CASES entry (tests/test_ops.py)"
-

@@ -21,25 +21,57 @@ def tensor_list(dtype, seed=0, scale=1.0):
 
 OPCHECK_CASES = {
     "multi_tensor_norm": lambda: ((tensor_list(torch.float32)[1:5], 2.0, False),),
-    "multi_tensor_scale_": lambda: ((tensor_list(torch.float16)[:5], torch.tensor(0.5)),
-                                    (tensor_list(torch.float32)[:3], torch.tensor([0.5, 1.0, 2.0]))),
+    "multi_tensor_scale_": lambda: (
+        (tensor_list(torch.float16)[:5], torch.tensor(0.5)),
+        (tensor_list(torch.float32)[:3], torch.tensor([0.5, 1.0, 2.0])),
+    ),
     "multi_tensor_clamp_": lambda: ((tensor_list(torch.bfloat16)[:5], -0.5, 0.5),),
-    "clip_grad_norm_": lambda: ((tensor_list(torch.float32)[1:6], 0.1, 2.0, False),
-                                (tensor_list(torch.float16)[1:6], 0.1, 2.0, False, 0.0, True)),
-    "clip_by_tensor_norm_": lambda: ((tensor_list(torch.float64)[1:6], 1.0), (tensor_list(torch.float32)[1:6], 1.0, "skip")),
-    "unitwise_clip_": lambda: (([make_tensor((5, 7), torch.float32, 1), make_tensor((3,), torch.bfloat16, 2)],
-                                [make_tensor((5, 7), torch.float32, 3, 1e-3), make_tensor((3,), torch.float32, 4)],
-                                0.01, 1e-3, 2.0),
-                               ([make_tensor((4, 2, 3), torch.float64, 5).transpose(1, 2)],
-                                [make_tensor((4, 3, 2), torch.float64, 6)], 0.5, 0.0, float("inf"))),
+    "clip_grad_norm_": lambda: (
+        (tensor_list(torch.float32)[1:6], 0.1, 2.0, False),
+        (tensor_list(torch.float16)[1:6], 0.1, 2.0, False, 0.0, True),
+    ),
+    "clip_by_tensor_norm_": lambda: (
+        (tensor_list(torch.float64)[1:6], 1.0),
+        (tensor_list(torch.float32)[1:6], 1.0, "skip"),
+    ),
+    "unitwise_clip_": lambda: (
+        (
+            [make_tensor((5, 7), torch.float32, 1), make_tensor((3,), torch.bfloat16, 2)],
+            [make_tensor((5, 7), torch.float32, 3, 1e-3), make_tensor((3,), torch.float32, 4)],
+            0.01,
+            1e-3,
+            2.0,
+        ),
+        (
+            [make_tensor((4, 2, 3), torch.float64, 5).transpose(1, 2)],
+            [make_tensor((4, 3, 2), torch.float64, 6)],
+            0.5,
+            0.0,
+            float("inf"),
+        ),
+    ),
     # (a dict last: the keyword arguments)
-    "adam_step_": lambda: (([make_tensor((5, 7), torch.float32, 1), make_tensor((3,), torch.float32, 2)],
-                            [make_tensor((5, 7), torch.float32, 3), make_tensor((3,), torch.float32, 4)],
-                            [torch.zeros(5, 7), torch.zeros(3)], [torch.zeros(5, 7), torch.zeros(3)], [],
-                            [torch.tensor(0.0), torch.tensor(4.0)],
-                            {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.1, "eps": 1e-8,
-                             "amsgrad": False, "maximize": False, "decoupled_weight_decay": True,
-                             "grad_scale": torch.tensor(2.0)}),),
+    "adam_step_": lambda: (
+        (
+            [make_tensor((5, 7), torch.float32, 1), make_tensor((3,), torch.float32, 2)],
+            [make_tensor((5, 7), torch.float32, 3), make_tensor((3,), torch.float32, 4)],
+            [torch.zeros(5, 7), torch.zeros(3)],
+            [torch.zeros(5, 7), torch.zeros(3)],
+            [],
+            [torch.tensor(0.0), torch.tensor(4.0)],
+            {
+                "lr": 1e-2,
+                "beta1": 0.9,
+                "beta2": 0.999,
+                "weight_decay": 0.1,
+                "eps": 1e-8,
+                "amsgrad": False,
+                "maximize": False,
+                "decoupled_weight_decay": True,
+                "grad_scale": torch.tensor(2.0),
+            },
+        ),
+    ),
 }
 
 
@@ -135,7 +167,9 @@ def test_per_tensor_scales(cpu_capability):
 def test_scale_rejects_a_scale_of_the_wrong_shape():
     tensors = tensor_list(torch.float32)[1:4]
     before = [t.clone() for t in tensors]
-    with pytest.raises(RuntimeError, match=r"scale must be a 0-d tensor or a 1-d tensor with one entry per tensor \(3\)"):
+    with pytest.raises(
+        RuntimeError, match=r"scale must be a 0-d tensor or a 1-d tensor with one entry per tensor \(3\)"
+    ):
         _ops.multi_tensor_scale_(tensors, torch.ones(2))
     assert all(torch.equal(t, b) for t, b in zip(tensors, before))
 
@@ -254,8 +288,16 @@ def _adam_lists(kind):
     params, grads = _listed(kind, (5, 7)), _listed(kind, (5, 7), seed=3)
     zeros = [torch.zeros(5, 7, dtype=dtype), torch.zeros(5)]
     return (params, grads, zeros, [z.clone() for z in zeros], [], [torch.tensor(0.0), torch.tensor(4.0)]), {
-        "lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.1, "eps": 1e-8, "amsgrad": False,
-        "maximize": False, "decoupled_weight_decay": True, "grad_scale": torch.tensor(2.0)}
+        "lr": 1e-2,
+        "beta1": 0.9,
+        "beta2": 0.999,
+        "weight_decay": 0.1,
+        "eps": 1e-8,
+        "amsgrad": False,
+        "maximize": False,
+        "decoupled_weight_decay": True,
+        "grad_scale": torch.tensor(2.0),
+    }
 
 
 # Each op's arguments (args, kwargs) with a view of `kind` in every tensor list, against which

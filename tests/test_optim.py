@@ -26,8 +26,9 @@ def _no_global_default_clip():
 def tiny_transformer(seed=0):
     torch.manual_seed(seed)
     layer = torch.nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True)
-    return torch.nn.Sequential(torch.nn.Embedding(50, 32), torch.nn.TransformerEncoder(layer, num_layers=2),
-                               torch.nn.Linear(32, 50))
+    return torch.nn.Sequential(
+        torch.nn.Embedding(50, 32), torch.nn.TransformerEncoder(layer, num_layers=2), torch.nn.Linear(32, 50)
+    )
 
 
 def synthetic_batches(steps, seed=1):
@@ -72,8 +73,9 @@ def test_grad_clip_on_the_optimizer_equals_clipping_by_hand(use_scaler):
     schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=100, gamma=0.5) for o in (hook_opt, hand_opt)]
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) if use_scaler else None for _ in range(2)]
     hook_loss = train(by_hook, hook_opt, steps, scaler=scalers[0], scheduler=schedulers[0])
-    hand_loss = train(by_hand, hand_opt, steps, clip_by_hand=ClipGradByGlobalNorm(0.5), scaler=scalers[1],
-                      scheduler=schedulers[1])
+    hand_loss = train(
+        by_hand, hand_opt, steps, clip_by_hand=ClipGradByGlobalNorm(0.5), scaler=scalers[1], scheduler=schedulers[1]
+    )
     assert hook_loss == hand_loss and hook_loss < 3.0  # it learned, identically
     for p, q in zip(by_hook.parameters(), by_hand.parameters()):
         assert torch.equal(p, q)
@@ -140,8 +142,11 @@ def test_with_grad_clip_works_for_any_optimizer_class():
 def test_param_groups_carry_their_own_clip():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     first, second = ClipGradByValue(1e-4), ClipGradByNorm(1e-2)
-    optimizer = torchclip.optim.SGD([{"params": model[0].parameters(), "grad_clip": first},
-                                     {"params": model[1].parameters()}], lr=0.0, grad_clip=second)
+    optimizer = torchclip.optim.SGD(
+        [{"params": model[0].parameters(), "grad_clip": first}, {"params": model[1].parameters()}],
+        lr=0.0,
+        grad_clip=second,
+    )
     model(torch.randn(3, 4)).sum().backward()
     optimizer.step()
     assert model[0].weight.grad.abs().max().item() <= f32(1e-4)
@@ -153,8 +158,11 @@ def test_param_groups_carry_their_own_clip():
 def test_one_clip_object_serves_all_its_groups_with_one_global_norm():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     clip = ClipGradByGlobalNorm(1e-2)
-    optimizer = torchclip.optim.SGD([{"params": model[0].parameters(), "weight_decay": 0.1},
-                                     {"params": model[1].parameters()}], lr=0.0, grad_clip=clip)
+    optimizer = torchclip.optim.SGD(
+        [{"params": model[0].parameters(), "weight_decay": 0.1}, {"params": model[1].parameters()}],
+        lr=0.0,
+        grad_clip=clip,
+    )
     model(torch.randn(3, 4)).sum().backward()
     optimizer.step()
     total = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
@@ -164,8 +172,11 @@ def test_one_clip_object_serves_all_its_groups_with_one_global_norm():
 def test_state_dict_round_trip_keeps_clips_and_loads_weights_only():
     model = torch.nn.Linear(4, 4)
     clip = ClipGradByGlobalNorm(1.0)
-    optimizer = torchclip.optim.Adam([{"params": [model.weight], "grad_clip": ClipGradByValue(0.5)},
-                                      {"params": [model.bias]}], lr=0.1, grad_clip=clip)
+    optimizer = torchclip.optim.Adam(
+        [{"params": [model.weight], "grad_clip": ClipGradByValue(0.5)}, {"params": [model.bias]}],
+        lr=0.1,
+        grad_clip=clip,
+    )
     model(torch.randn(2, 4)).sum().backward()
     optimizer.step()
     buffer = io.BytesIO()
@@ -173,8 +184,11 @@ def test_state_dict_round_trip_keeps_clips_and_loads_weights_only():
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)
     assert all("grad_clip" not in group for group in state["param_groups"])
-    fresh = torchclip.optim.Adam([{"params": [model.weight], "grad_clip": ClipGradByValue(0.25)},
-                                  {"params": [model.bias]}], lr=0.1, grad_clip=clip)
+    fresh = torchclip.optim.Adam(
+        [{"params": [model.weight], "grad_clip": ClipGradByValue(0.25)}, {"params": [model.bias]}],
+        lr=0.1,
+        grad_clip=clip,
+    )
     fresh.load_state_dict(state)
     assert isinstance(fresh.param_groups[0]["grad_clip"], ClipGradByValue)
     assert fresh.param_groups[0]["grad_clip"].max == 0.25 and fresh.grad_clip is clip
@@ -230,13 +244,20 @@ def test_global_norm_groups_by_group_name_and_checks_clip_norm():
         optimizer.step()
 
 
-@pytest.mark.parametrize("call, error, message", [
-    (lambda m: set_gradient_clip("clip"), TypeError, "clip must be a ClipGradBase instance"),
-    (lambda m: set_gradient_clip(ClipGradByNorm(1.0), ["0.weight"]), ValueError, "parameter names need `program`"),
-    (lambda m: set_gradient_clip(ClipGradByNorm(1.0), ["nope"], m), ValueError, r"no parameter named \['nope'\]"),
-    (lambda m: set_gradient_clip(ClipGradByNorm(1.0), ["weight", 3], m), TypeError, "list of parameters or a list"),
-    (lambda m: set_gradient_clip(ClipGradByNorm(1.0), None, "main"), TypeError, "program must be the torch.nn.Module"),
-])
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda m: set_gradient_clip("clip"), TypeError, "clip must be a ClipGradBase instance"),
+        (lambda m: set_gradient_clip(ClipGradByNorm(1.0), ["0.weight"]), ValueError, "parameter names need `program`"),
+        (lambda m: set_gradient_clip(ClipGradByNorm(1.0), ["nope"], m), ValueError, r"no parameter named \['nope'\]"),
+        (lambda m: set_gradient_clip(ClipGradByNorm(1.0), ["weight", 3], m), TypeError, "list of parameters or a list"),
+        (
+            lambda m: set_gradient_clip(ClipGradByNorm(1.0), None, "main"),
+            TypeError,
+            "program must be the torch.nn.Module",
+        ),
+    ],
+)
 def test_set_gradient_clip_errors(call, error, message):
     with pytest.raises(error, match=message):
         call(torch.nn.Linear(2, 2))
@@ -249,8 +270,10 @@ def test_compiled_training_step_with_grad_clip():
     torch._dynamo.reset()
     eager_model = tiny_transformer()
     compiled_model = copy.deepcopy(eager_model)
-    optimizers = [torchclip.optim.SGD(m.parameters(), lr=0.05, grad_clip=ClipGradByGlobalNorm(0.5))
-                  for m in (eager_model, compiled_model)]
+    optimizers = [
+        torchclip.optim.SGD(m.parameters(), lr=0.05, grad_clip=ClipGradByGlobalNorm(0.5))
+        for m in (eager_model, compiled_model)
+    ]
 
     def step(model, optimizer, tokens, targets):
         optimizer.zero_grad(set_to_none=True)
@@ -331,8 +354,9 @@ def closure_for(model, optimizer, batches, clip_by_hand=None):
 
 
 @pytest.mark.parametrize("make_clip", CLOSURE_CLIPS, ids=["value", "norm", "global_norm", "legacy_need_clip"])
-@pytest.mark.parametrize("optimizer_class", [torch.optim.SGD, torch.optim.Adam, torch.optim.LBFGS],
-                         ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "optimizer_class", [torch.optim.SGD, torch.optim.Adam, torch.optim.LBFGS], ids=lambda c: c.__name__
+)
 @pytest.mark.parametrize("closure_as_keyword", [False, True])
 def test_step_with_a_closure_clips_what_the_closure_made(make_clip, optimizer_class, closure_as_keyword):
     by_hook, by_hand, unclipped = tiny_transformer(), tiny_transformer(), tiny_transformer()

@@ -16,8 +16,11 @@ from torchclip import ClipGradByGlobalNorm, ClipGradByNorm, ClipGradByValue
 # 1/coefficient where clip-then-step multiplies by the coefficient; one float32 rounding of the
 # gradient, which Adam's update carries into the parameters at most as such (measured: <= 2e-7 relative
 # after 5 float32 steps). Reduced-precision parameters round each gradient once more in their dtype.
-TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-6}, torch.bfloat16: {"rtol": 2e-2, "atol": 1e-2},
-             torch.float16: {"rtol": 2e-3, "atol": 1e-3}}
+TOLERANCE = {
+    torch.float32: {"rtol": 1e-5, "atol": 1e-6},
+    torch.bfloat16: {"rtol": 2e-2, "atol": 1e-2},
+    torch.float16: {"rtol": 2e-3, "atol": 1e-3},
+}
 
 FUSED = {
     "Adam": {"lr": 1e-2},
@@ -53,6 +56,7 @@ class NoInPlaceClip(Exception):
 
 def refuse_in_place_clip(monkeypatch):
     """Folding must compute the norm alone: the in-place clip of ClipGradByGlobalNorm must not run."""
+
     def refuse(*args, **kwargs):
         raise NoInPlaceClip
 
@@ -70,8 +74,9 @@ def forbid_in_place_clip(monkeypatch):
 def test_folded_step_is_clip_then_step(name, dtype, monkeypatch):
     steps, clip_norm = 5, 1.0
     ours, theirs = parameters(dtype), parameters(dtype)
-    optimizer = getattr(torchclip.optim, name)(ours, fused=True, grad_clip=ClipGradByGlobalNorm(clip_norm),
-                                               **FUSED[name])
+    optimizer = getattr(torchclip.optim, name)(
+        ours, fused=True, grad_clip=ClipGradByGlobalNorm(clip_norm), **FUSED[name]
+    )
     reference = getattr(torch.optim, name)(theirs, fused=True, **FUSED[name])
     # A fused step torch does not mark as reading grad_scale (_step_supports_amp_scaling: Adagrad on torch 2.11)
     # is not folded into: the clip runs in place, and must give the same steps.
@@ -184,8 +189,9 @@ def test_plan_is_cached_and_rebuilt_when_its_sources_change(monkeypatch):
 
 def test_skip_becomes_found_inf(forbid_in_place_clip):
     params = parameters()
-    optimizer = torchclip.optim.AdamW(params, lr=1e-2, fused=True,
-                                      grad_clip=ClipGradByGlobalNorm(1.0, nonfinite="skip"))
+    optimizer = torchclip.optim.AdamW(
+        params, lr=1e-2, fused=True, grad_clip=ClipGradByGlobalNorm(1.0, nonfinite="skip")
+    )
     grads = gradient_steps(params, 2)
     for p, g in zip(params, grads[0]):
         p.grad = g.clone()
@@ -207,8 +213,9 @@ def test_skip_becomes_found_inf(forbid_in_place_clip):
 
 def test_raise_leaves_gradients_and_parameters_alone():
     params = parameters()
-    optimizer = torchclip.optim.Adam(params, lr=1e-2, fused=True,
-                                     grad_clip=ClipGradByGlobalNorm(1.0, nonfinite="raise"))
+    optimizer = torchclip.optim.Adam(
+        params, lr=1e-2, fused=True, grad_clip=ClipGradByGlobalNorm(1.0, nonfinite="raise")
+    )
     grads = gradient_steps(params, 1)[0]
     grads[0][3, 3] = float("nan")
     for p, g in zip(params, grads):

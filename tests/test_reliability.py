@@ -34,11 +34,11 @@ def shared_gradient_lists(kind):
             p = params_with([data[:LARGE]])[0]
             copies.append([p, p])
         elif kind == "views overlapping by all but 64":
-            copies.append(params_with([data[:LARGE], data[64:LARGE + 64]]))
+            copies.append(params_with([data[:LARGE], data[64 : LARGE + 64]]))
         elif kind == "a view inside another":
-            copies.append(params_with([data[: 2 * LARGE], data[LARGE // 2: LARGE // 2 + 1000]]))
+            copies.append(params_with([data[: 2 * LARGE], data[LARGE // 2 : LARGE // 2 + 1000]]))
         else:  # adjacent views of one buffer (DDP buckets, flat parameters): no element shared
-            copies.append(params_with([data[:LARGE], data[LARGE: 2 * LARGE]]))
+            copies.append(params_with([data[:LARGE], data[LARGE : 2 * LARGE]]))
     return copies
 
 
@@ -116,14 +116,18 @@ def test_views_listed_out_of_address_order_with_one_pair_sharing_memory(shared, 
     copies = []
     for _ in range(2):
         data = buffer.clone()
-        views = [data[i * size: (i + 1) * size] for i in order]
+        views = [data[i * size : (i + 1) * size] for i in order]
         if shared != "none":
             start = order[0] * size + (0 if shared == "the same elements" else 64)
-            views.insert(count // 2, data[start: start + size])  # where the second thread starts
+            views.insert(count // 2, data[start : start + size])  # where the second thread starts
         copies.append(params_with(views))
     ours, theirs = copies
-    torch.testing.assert_close(torchclip.clip_grad_norm_(ours, 0.5), torch.nn.utils.clip_grad_norm_(theirs, 0.5),
-                               rtol=CLIP_RTOL[torch.float32], atol=0)
+    torch.testing.assert_close(
+        torchclip.clip_grad_norm_(ours, 0.5),
+        torch.nn.utils.clip_grad_norm_(theirs, 0.5),
+        rtol=CLIP_RTOL[torch.float32],
+        atol=0,
+    )
     for p, q in zip(ours, theirs):
         torch.testing.assert_close(p.grad, q.grad, rtol=CLIP_RTOL[torch.float32], atol=0)
 
@@ -138,13 +142,17 @@ def test_a_list_found_disjoint_then_changed_to_share_memory_is_checked_again(two
     copies = []
     for _ in range(2):
         data = buffer.clone()
-        copies.append((data, params_with([data[i * size: (i + 1) * size] for i in order])))
+        copies.append((data, params_with([data[i * size : (i + 1) * size] for i in order])))
     for (data, params), clip in zip(copies, [torchclip.clip_grad_value_, torch.nn.utils.clip_grad_value_]):
         clip(params, 1.0)  # nothing clipped; the list found disjoint
-        params[count // 2].grad = data[order[0] * size + 64: order[0] * size + 64 + size]  # the first one, moved
+        params[count // 2].grad = data[order[0] * size + 64 : order[0] * size + 64 + size]  # the first one, moved
     ours, theirs = copies[0][1], copies[1][1]
-    torch.testing.assert_close(torchclip.clip_grad_norm_(ours, 0.5), torch.nn.utils.clip_grad_norm_(theirs, 0.5),
-                               rtol=CLIP_RTOL[torch.float32], atol=0)
+    torch.testing.assert_close(
+        torchclip.clip_grad_norm_(ours, 0.5),
+        torch.nn.utils.clip_grad_norm_(theirs, 0.5),
+        rtol=CLIP_RTOL[torch.float32],
+        atol=0,
+    )
     for p, q in zip(ours, theirs):
         torch.testing.assert_close(p.grad, q.grad, rtol=CLIP_RTOL[torch.float32], atol=0)
 

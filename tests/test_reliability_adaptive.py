@@ -27,8 +27,7 @@ STATEFUL = {
     "quantile": lambda **kw: ClipGradByQuantile(0.5, 4, **kw),
     "quantile-global": lambda **kw: ClipGradByQuantile(0.5, 4, global_threshold=True, **kw),
     "norm-ema": lambda **kw: ClipGradByNormEMA(warmup_steps=3, **kw),
-    "skip-on-spike": lambda **kw: SkipStepOnSpike(ClipGradByNormEMA(warmup_steps=3), window=6, sigma_factor=2.0,
-                                                  **kw),
+    "skip-on-spike": lambda **kw: SkipStepOnSpike(ClipGradByNormEMA(warmup_steps=3), window=6, sigma_factor=2.0, **kw),
 }
 EVERY = {**STATEFUL, "unitwise": lambda **kw: ClipGradByUnitwiseNorm(0.05, **kw)}
 PER_PARAMETER = {name: STATEFUL[name] for name in ("quantile", "norm-ema")}
@@ -64,8 +63,12 @@ def give(params, grads):
 
 def same(a, b) -> bool:
     """Bit for bit, NaN where NaN."""
-    return (a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.isnan(), b.isnan())
-            and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.isnan(), b.isnan())
+        and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+    )
 
 
 def state_of(clip) -> dict:
@@ -162,8 +165,11 @@ def test_raise_changes_nothing_and_names_the_norm(name):
     before = state_of(clip)
     grads = poisoned(4, math.inf)
     give(params, grads)
-    with pytest.raises(RuntimeError, match=r"norm.* is inf, so it cannot be clipped \(nonfinite='raise'\); no "
-                                           r"gradient or statistic was changed"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"norm.* is inf, so it cannot be clipped \(nonfinite='raise'\); no "
+        r"gradient or statistic was changed",
+    ):
         clip(params)
     assert all(same(p.grad, g) for p, g in zip(params, grads))
     assert_same_state(state_of(clip), before)

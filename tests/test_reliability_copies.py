@@ -59,8 +59,9 @@ CLIPS = {
     "ClipGradByQuantile(global)": lambda: ClipGradByQuantile(0.5, history_length=4, global_threshold=True),
     "ClipGradByNormEMA": lambda: ClipGradByNormEMA(lambda_rel=0.5, warmup_steps=2),
     "ClipGradByUnitwiseNorm": lambda: ClipGradByUnitwiseNorm(0.05),
-    "SkipStepOnSpike": lambda: SkipStepOnSpike(ClipGradByNormEMA(lambda_rel=0.5, warmup_steps=2), window=4,
-                                               sigma_factor=0.5),
+    "SkipStepOnSpike": lambda: SkipStepOnSpike(
+        ClipGradByNormEMA(lambda_rel=0.5, warmup_steps=2), window=4, sigma_factor=0.5
+    ),
 }
 
 SHAPES = [(4, 3), (3,), (2, 5)]
@@ -88,8 +89,13 @@ def _same(a, b) -> bool:
     """Bit for bit, NaN where NaN (the history rings start as NaN)."""
     if not isinstance(a, torch.Tensor):
         return a == b
-    return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-            and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)))
+    return (
+        isinstance(b, torch.Tensor)
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.isnan(), b.isnan())
+        and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+    )
 
 
 def _assert_same_state(original, copied, where="clip"):
@@ -115,9 +121,13 @@ def _assert_same_grads(a, b, what):
 
 
 def test_every_exported_clip_class_is_covered():
-    exported = {name for name in torchclip.__all__
-                if isinstance(getattr(torchclip, name), type) and issubclass(getattr(torchclip, name), ClipGradBase)
-                and getattr(torchclip, name) is not ClipGradBase}  # (the base defines no clip)
+    exported = {
+        name
+        for name in torchclip.__all__
+        if isinstance(getattr(torchclip, name), type)
+        and issubclass(getattr(torchclip, name), ClipGradBase)
+        and getattr(torchclip, name) is not ClipGradBase
+    }  # (the base defines no clip)
     assert exported <= {name.split("(")[0] for name in CLIPS}
 
 
@@ -207,8 +217,9 @@ def test_a_copied_optimizer_continues_its_adaptive_clips_bit_for_bit(copier):
     quantile = ClipGradByQuantile(0.5, history_length=4)
     spike = SkipStepOnSpike(ClipGradByNormEMA(lambda_rel=0.5, warmup_steps=2), window=4, sigma_factor=0.5)
     # the group's clip comes before its parameters in the group: a deepcopy meets it first
-    optimizer = torchclip.optim.SGD([{"grad_clip": quantile, "params": params[:2]}, {"params": params[2:]}],
-                                    lr=0.1, momentum=0.9, grad_clip=spike)
+    optimizer = torchclip.optim.SGD(
+        [{"grad_clip": quantile, "params": params[:2]}, {"params": params[2:]}], lr=0.1, momentum=0.9, grad_clip=spike
+    )
     for step in range(6):
         _optimizer_step(optimizer, step)
     copied = COPIERS[copier](optimizer)
@@ -263,8 +274,17 @@ def _clipped_by(clip, params, step):
     return _clip_step(clip, copies, step)
 
 
-@pytest.mark.parametrize("change", ["replace the list", "replace one parameter", "swap a group",
-                                    "set a group's clip", "set the default clip", "unfuse a group"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        "replace the list",
+        "replace one parameter",
+        "swap a group",
+        "set a group's clip",
+        "set the default clip",
+        "unfuse a group",
+    ],
+)
 def test_the_plan_follows_what_the_optimizer_steps(change):
     old, new = _params(0)[:2], _params(10)[:2]
     fused = change == "unfuse a group"

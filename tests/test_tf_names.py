@@ -16,15 +16,22 @@ import torch
 import torchclip
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
-RTOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-7, torch.float64: 1e-14,
-        torch.complex64: 2e-7, torch.complex128: 1e-14}
+RTOL = {
+    torch.float16: 2e-3,
+    torch.bfloat16: 1.6e-2,
+    torch.float32: 2e-7,
+    torch.float64: 1e-14,
+    torch.complex64: 2e-7,
+    torch.complex128: 1e-14,
+}
 
 
 def fixed_tensors(dtype):
     generator = torch.Generator().manual_seed(3)
     shapes = [(4, 5), (7,), (2, 3, 4), ()]
-    return [(torch.randn(s, generator=generator, dtype=torch.float64) * (i + 1)).to(dtype)
-            for i, s in enumerate(shapes)]
+    return [
+        (torch.randn(s, generator=generator, dtype=torch.float64) * (i + 1)).to(dtype) for i, s in enumerate(shapes)
+    ]
 
 
 def formula_clip_by_norm(t, c, axes=None):
@@ -118,8 +125,10 @@ def test_gradients_flow_as_through_the_formula():
     for fn, formula in [
         (lambda x: torchclip.clip_by_norm(x, 1.0), lambda x: formula_clip_by_norm(x, 1.0)),
         (lambda x: torchclip.clip_by_norm(x, 0.7, axes=1), lambda x: formula_clip_by_norm(x, 0.7, 1)),
-        (lambda x: torchclip.clip_by_global_norm([x, x * 2], 1.0)[0][1],
-         lambda x: x * 2 * (1.0 / torch.clamp(torch.sqrt((x * x).sum() * 5), min=1.0))),
+        (
+            lambda x: torchclip.clip_by_global_norm([x, x * 2], 1.0)[0][1],
+            lambda x: x * 2 * (1.0 / torch.clamp(torch.sqrt((x * x).sum() * 5), min=1.0)),
+        ),
         (lambda x: torchclip.clip_by_value(x, -0.3, 0.3), lambda x: torch.clamp(x, -0.3, 0.3)),
     ]:
         x = torch.randn(3, 4, generator=generator, dtype=torch.float64, requires_grad=True)
@@ -129,20 +138,47 @@ def test_gradients_flow_as_through_the_formula():
         torch.testing.assert_close(ours, theirs)
 
 
-@pytest.mark.parametrize("call,error,match", [
-    (lambda: torchclip.clip_by_norm(torch.ones(3), -1.0), ValueError, "clip_norm must be a finite number > 0, got -1.0"),
-    (lambda: torchclip.clip_by_norm(torch.ones(3), math.inf), ValueError, "clip_norm must be a finite number > 0, got inf"),
-    (lambda: torchclip.clip_by_norm(torch.ones(2, 3), 1.0, axes=2), ValueError, r"axes: 2 is out of range .* \(axes=2\)"),
-    (lambda: torchclip.clip_by_norm(torch.ones(2, 3), 1.0, axes=[0, -3]), ValueError, r"axes: -3 is out of range"),
-    (lambda: torchclip.clip_by_norm([1.0], 1.0), TypeError, "t must be a torch.Tensor, got list"),
-    (lambda: torchclip.clip_by_norm(torch.ones(3, dtype=torch.int64), 1.0), TypeError, "dtype torch.int64"),
-    (lambda: torchclip.clip_by_global_norm(torch.ones(3), 1.0), TypeError, "t_list must be a sequence"),
-    (lambda: torchclip.clip_by_global_norm([torch.ones(3), 2.0], 1.0), TypeError, r"t_list\[1\] must be a torch.Tensor or None, got float"),
-    (lambda: torchclip.clip_by_global_norm([torch.ones(3)], 0.0), ValueError, "clip_norm must be a finite number > 0, got 0.0"),
-    (lambda: torchclip.global_norm([torch.ones(3), "x"]), TypeError, r"t_list\[1\]"),
-    (lambda: torchclip.clip_by_value(torch.ones(3), 2.0, 1.0), ValueError, "clip_value_min must be <= clip_value_max, got clip_value_min=2.0, clip_value_max=1.0"),
-    (lambda: torchclip.clip_by_value(torch.ones(3, dtype=torch.complex64), 0.0, 1.0), TypeError, "complex64"),
-])
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (
+            lambda: torchclip.clip_by_norm(torch.ones(3), -1.0),
+            ValueError,
+            "clip_norm must be a finite number > 0, got -1.0",
+        ),
+        (
+            lambda: torchclip.clip_by_norm(torch.ones(3), math.inf),
+            ValueError,
+            "clip_norm must be a finite number > 0, got inf",
+        ),
+        (
+            lambda: torchclip.clip_by_norm(torch.ones(2, 3), 1.0, axes=2),
+            ValueError,
+            r"axes: 2 is out of range .* \(axes=2\)",
+        ),
+        (lambda: torchclip.clip_by_norm(torch.ones(2, 3), 1.0, axes=[0, -3]), ValueError, r"axes: -3 is out of range"),
+        (lambda: torchclip.clip_by_norm([1.0], 1.0), TypeError, "t must be a torch.Tensor, got list"),
+        (lambda: torchclip.clip_by_norm(torch.ones(3, dtype=torch.int64), 1.0), TypeError, "dtype torch.int64"),
+        (lambda: torchclip.clip_by_global_norm(torch.ones(3), 1.0), TypeError, "t_list must be a sequence"),
+        (
+            lambda: torchclip.clip_by_global_norm([torch.ones(3), 2.0], 1.0),
+            TypeError,
+            r"t_list\[1\] must be a torch.Tensor or None, got float",
+        ),
+        (
+            lambda: torchclip.clip_by_global_norm([torch.ones(3)], 0.0),
+            ValueError,
+            "clip_norm must be a finite number > 0, got 0.0",
+        ),
+        (lambda: torchclip.global_norm([torch.ones(3), "x"]), TypeError, r"t_list\[1\]"),
+        (
+            lambda: torchclip.clip_by_value(torch.ones(3), 2.0, 1.0),
+            ValueError,
+            "clip_value_min must be <= clip_value_max, got clip_value_min=2.0, clip_value_max=1.0",
+        ),
+        (lambda: torchclip.clip_by_value(torch.ones(3, dtype=torch.complex64), 0.0, 1.0), TypeError, "complex64"),
+    ],
+)
 def test_bad_input_names_the_argument(call, error, match):
     with pytest.raises(error, match=match):
         call()
@@ -187,12 +223,18 @@ def test_keras_global_clipnorm_clips_all_gradients_together():
     keras_run({"global_clipnorm": 2.0}, rule)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"clipnorm": 1.0, "global_clipnorm": 1.0}, "Only one of clipnorm, clipvalue and global_clipnorm can be set .*clipnorm=1.0, global_clipnorm=1.0"),
-    ({"clipnorm": 1.0, "clipvalue": 0.5}, "clipnorm=1.0, clipvalue=0.5"),
-    ({"clipnorm": 1.0, "grad_clip": torchclip.ClipGradByValue(1.0)}, "grad_clip and clipnorm both set"),
-    ({"global_clipnorm": -1.0}, "global_clipnorm must be a finite number > 0, got -1.0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (
+            {"clipnorm": 1.0, "global_clipnorm": 1.0},
+            "Only one of clipnorm, clipvalue and global_clipnorm can be set .*clipnorm=1.0, global_clipnorm=1.0",
+        ),
+        ({"clipnorm": 1.0, "clipvalue": 0.5}, "clipnorm=1.0, clipvalue=0.5"),
+        ({"clipnorm": 1.0, "grad_clip": torchclip.ClipGradByValue(1.0)}, "grad_clip and clipnorm both set"),
+        ({"global_clipnorm": -1.0}, "global_clipnorm must be a finite number > 0, got -1.0"),
+    ],
+)
 def test_keras_arguments_refuse_conflicts_and_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         torchclip.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=0.1, **kwargs)

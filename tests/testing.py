@@ -35,8 +35,10 @@ def make_tensor(shape, dtype, seed, scale=1.0, layout="contiguous"):
         t = (torch.randn(tuple(reversed(shape)), generator=generator, dtype=torch.float64) * scale).to(dtype)
         return t.permute(*reversed(range(t.dim())))
     if layout == "strided":  # every other element: not dense, ATen's path
-        t = (torch.randn((*shape[:-1], 2 * shape[-1]) if shape else (2,), generator=generator,
-                         dtype=torch.float64) * scale).to(dtype)
+        t = (
+            torch.randn((*shape[:-1], 2 * shape[-1]) if shape else (2,), generator=generator, dtype=torch.float64)
+            * scale
+        ).to(dtype)
         return t[..., ::2] if shape else t[0]
     if layout == "offset":  # a view starting inside its storage
         t = (torch.randn(math.prod(shape) + 3, generator=generator, dtype=torch.float64) * scale).to(dtype)
@@ -121,10 +123,20 @@ def assert_norm_close(total: torch.Tensor, reference: float, what: str = "", inp
 # torchclip's entry points into its kernels: the C++ fast paths (which return None / False when they step
 # aside for the general path) and the general path's ops. Every drop-in and every clip class goes through
 # one of them; they are read as `_ops.NAME` at call time, so a spy there sees every call.
-_FAST_PATHS = ("clip_grad_norm_of_plain", "clip_by_tensor_norm_of_plain", "clamp_grads_of_plain",
-               "clip_grad_value_of_plain", "total_norm_of_plain")
-_GENERAL_OPS = ("clip_grad_norm_", "clip_by_tensor_norm_", "multi_tensor_clamp_", "multi_tensor_scale_",
-                "multi_tensor_norm")
+_FAST_PATHS = (
+    "clip_grad_norm_of_plain",
+    "clip_by_tensor_norm_of_plain",
+    "clamp_grads_of_plain",
+    "clip_grad_value_of_plain",
+    "total_norm_of_plain",
+)
+_GENERAL_OPS = (
+    "clip_grad_norm_",
+    "clip_by_tensor_norm_",
+    "multi_tensor_clamp_",
+    "multi_tensor_scale_",
+    "multi_tensor_norm",
+)
 _NORM_ONLY = ("total_norm_of_plain", "multi_tensor_norm")  # compute a norm, change no gradient
 
 
@@ -144,6 +156,7 @@ class KernelSpy:
             if not fast or (result is not None and result is not False):
                 self.calls[name] += 1
             return result
+
         return spy
 
     @property
@@ -192,4 +205,6 @@ def set_grads(model, grads):
 
 def assert_same_grads(reference, ours, step):
     for (name, a), b in zip(reference.named_parameters(), ours.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, rtol=2e-6, atol=1e-9, msg=lambda m, name=name: f"step {step}, {name}: {m}")
+        torch.testing.assert_close(
+            b.grad, a.grad, rtol=2e-6, atol=1e-9, msg=lambda m, name=name: f"step {step}, {name}: {m}"
+        )

@@ -19,10 +19,33 @@ from torch.optim import adam as _adam_module
 
 from torchclip import _ops
 
-_INIT_GROUP_PARAMETERS = ["self", "group", "params_with_grad", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
-                          "state_steps"]
-_FUNCTIONAL_KEYWORDS = {"foreach", "capturable", "differentiable", "fused", "grad_scale", "found_inf", "has_complex",
-                        "decoupled_weight_decay", "amsgrad", "beta1", "beta2", "lr", "weight_decay", "eps", "maximize"}
+_INIT_GROUP_PARAMETERS = [
+    "self",
+    "group",
+    "params_with_grad",
+    "grads",
+    "exp_avgs",
+    "exp_avg_sqs",
+    "max_exp_avg_sqs",
+    "state_steps",
+]
+_FUNCTIONAL_KEYWORDS = {
+    "foreach",
+    "capturable",
+    "differentiable",
+    "fused",
+    "grad_scale",
+    "found_inf",
+    "has_complex",
+    "decoupled_weight_decay",
+    "amsgrad",
+    "beta1",
+    "beta2",
+    "lr",
+    "weight_decay",
+    "eps",
+    "maximize",
+}
 
 
 def _internals_match() -> bool:
@@ -61,17 +84,46 @@ def step(optimizer: torch.optim.Adam, closure=None):
             if not params:
                 continue
             beta1, beta2 = (float(beta) for beta in group["betas"])
-            hyperparameters = {"lr": group["lr"], "weight_decay": group["weight_decay"], "eps": group["eps"],
-                               "amsgrad": group["amsgrad"], "maximize": group["maximize"]}
-            ours = (group["fused"] and not group["differentiable"] and not has_complex
-                    and params[0].device.type == "cpu")
-            if ours and _ops.adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, beta1=beta1,
-                                        beta2=beta2, decoupled_weight_decay=group["decoupled_weight_decay"],
-                                        grad_scale=grad_scale, found_inf=found_inf, **hyperparameters):
+            hyperparameters = {
+                "lr": group["lr"],
+                "weight_decay": group["weight_decay"],
+                "eps": group["eps"],
+                "amsgrad": group["amsgrad"],
+                "maximize": group["maximize"],
+            }
+            ours = group["fused"] and not group["differentiable"] and not has_complex and params[0].device.type == "cpu"
+            if ours and _ops.adam_step_(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                max_exp_avg_sqs,
+                steps,
+                beta1=beta1,
+                beta2=beta2,
+                decoupled_weight_decay=group["decoupled_weight_decay"],
+                grad_scale=grad_scale,
+                found_inf=found_inf,
+                **hyperparameters,
+            ):
                 continue
-            _adam_module.adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, beta1=beta1, beta2=beta2,
-                              has_complex=has_complex, foreach=group["foreach"], capturable=group["capturable"],
-                              differentiable=group["differentiable"], fused=group["fused"], grad_scale=grad_scale,
-                              found_inf=found_inf, decoupled_weight_decay=group["decoupled_weight_decay"],
-                              **hyperparameters)
+            _adam_module.adam(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                max_exp_avg_sqs,
+                steps,
+                beta1=beta1,
+                beta2=beta2,
+                has_complex=has_complex,
+                foreach=group["foreach"],
+                capturable=group["capturable"],
+                differentiable=group["differentiable"],
+                fused=group["fused"],
+                grad_scale=grad_scale,
+                found_inf=found_inf,
+                decoupled_weight_decay=group["decoupled_weight_decay"],
+                **hyperparameters,
+            )
     return loss

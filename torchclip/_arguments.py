@@ -41,11 +41,15 @@ def _policy(nonfinite) -> str:
 
 
 # The call forms, as the errors name them.
-_CALL_FORMS = ("parameters (model.parameters(), a list of tensors, one tensor, or a torch.nn.Module) or "
-               "(param, grad) pairs as Paddle's optimizers pass them, e.g. [(p, p.grad) for p in model.parameters()]")
+_CALL_FORMS = (
+    "parameters (model.parameters(), a list of tensors, one tensor, or a torch.nn.Module) or "
+    "(param, grad) pairs as Paddle's optimizers pass them, e.g. [(p, p.grad) for p in model.parameters()]"
+)
 _PARAMETERS = "parameters (a torch.nn.Module, an iterable of tensors such as model.parameters(), or one tensor)"
-_PARAM_LIST = ("a list of parameters or a list of parameter names in `program` (or a torch.nn.Module, an iterable "
-               "of tensors, one tensor)")
+_PARAM_LIST = (
+    "a list of parameters or a list of parameter names in `program` (or a torch.nn.Module, an iterable "
+    "of tensors, one tensor)"
+)
 # The tensor types whose memory _shares_memory reads (a subclass, e.g. DTensor, may have none of its own).
 _PLAIN = (Tensor, torch.nn.Parameter)
 
@@ -74,9 +78,11 @@ def _items_of(given, who: str, accepted: str) -> Sequence:
     if isinstance(given, (list, tuple)):
         return given
     if isinstance(given, Mapping):
-        raise TypeError(f"{who} got a mapping ({type(given).__name__} of {len(given)} entries: names to tensors, "
-                        f"as dict(model.named_parameters()) or a state_dict); it takes {accepted}: pass "
-                        f"model.parameters(), or the mapping's .values() if they are the parameters")
+        raise TypeError(
+            f"{who} got a mapping ({type(given).__name__} of {len(given)} entries: names to tensors, "
+            f"as dict(model.named_parameters()) or a state_dict); it takes {accepted}: pass "
+            f"model.parameters(), or the mapping's .values() if they are the parameters"
+        )
     if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
         raise TypeError(f"{who} got {_brief(given)}; it takes {accepted}")
     return list(given)
@@ -103,8 +109,13 @@ def _shares_memory(a: Tensor, b: Tensor) -> bool:
     if type(a) not in _PLAIN or type(b) not in _PLAIN or a.layout != torch.strided or b.layout != torch.strided:
         return False
     a_start, b_start = a.data_ptr(), b.data_ptr()
-    return (a_start != 0 and b_start != 0 and a_start < _end(b, b_start) and b_start < _end(a, a_start)
-            and a.device == b.device)
+    return (
+        a_start != 0
+        and b_start != 0
+        and a_start < _end(b, b_start)
+        and b_start < _end(a, a_start)
+        and a.device == b.device
+    )
 
 
 def _checked_pairs(items: Sequence, who: str) -> Sequence:
@@ -113,15 +124,21 @@ def _checked_pairs(items: Sequence, who: str) -> Sequence:
     tracing = _ops.dynamo_is_tracing()  # fake tensors have no memory to compare
     for i, item in enumerate(items):
         if not isinstance(item, (tuple, list)):
-            raise TypeError(f"{who}: item 0 is a (param, grad) pair but item {i} is {_brief(item)}; it takes "
-                            f"{_CALL_FORMS}, not a mix")
+            raise TypeError(
+                f"{who}: item 0 is a (param, grad) pair but item {i} is {_brief(item)}; it takes "
+                f"{_CALL_FORMS}, not a mix"
+            )
         if len(item) != 2:
-            raise TypeError(f"{who}: item {i} is a {type(item).__name__} of {len(item)} items, not a (param, grad) "
-                            f"pair; it takes {_CALL_FORMS}")
+            raise TypeError(
+                f"{who}: item {i} is a {type(item).__name__} of {len(item)} items, not a (param, grad) "
+                f"pair; it takes {_CALL_FORMS}"
+            )
         param, grad = item
         if isinstance(param, str):
-            raise TypeError(f"{who}: item {i} is ({param!r}, {type(grad).__name__}), a (name, parameter) pair as "
-                            f"model.named_parameters() yields, not a (param, grad) pair; it takes {_CALL_FORMS}")
+            raise TypeError(
+                f"{who}: item {i} is ({param!r}, {type(grad).__name__}), a (name, parameter) pair as "
+                f"model.named_parameters() yields, not a (param, grad) pair; it takes {_CALL_FORMS}"
+            )
         if not isinstance(param, Tensor):
             raise NotATensorError(f"{who}: item {i}'s param must be a Tensor, got {_brief(param)}")
         if grad is None:
@@ -131,8 +148,15 @@ def _checked_pairs(items: Sequence, who: str) -> Sequence:
         # (type() first: Parameter's isinstance is a Python-level check, slow on every pair of a long list)
         weight = type(grad) is not Tensor and isinstance(grad, torch.nn.Parameter)
         if grad is param or weight or (not tracing and _shares_memory(param, grad)):
-            reason = ("is the parameter itself" if grad is param else "is an nn.Parameter (a weight)" if weight else
-                      "lies in the parameter's own memory")
-            raise TypeError(f"{who}: item {i}'s grad {reason}, not a gradient: clipping it would write the "
-                            f"weights; it takes {_CALL_FORMS}")
+            reason = (
+                "is the parameter itself"
+                if grad is param
+                else "is an nn.Parameter (a weight)"
+                if weight
+                else "lies in the parameter's own memory"
+            )
+            raise TypeError(
+                f"{who}: item {i}'s grad {reason}, not a gradient: clipping it would write the "
+                f"weights; it takes {_CALL_FORMS}"
+            )
     return items

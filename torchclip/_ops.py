@@ -154,22 +154,33 @@ def clip_grad_norm_(
     """Norm and scale of a non-empty gradient list in one call; returns (the total norm, each gradient's
     norm in float64, the float64 coefficient every gradient was scaled by)."""
     return _ops.clip_grad_norm_(
-        grads, float(max_norm), float(norm_type), bool(error_if_nonfinite), float(eps), bool(norm_at_least_float32),
+        grads,
+        float(max_norm),
+        float(norm_type),
+        bool(error_if_nonfinite),
+        float(eps),
+        bool(norm_at_least_float32),
         nonfinite,
     )
 
 
 @torch.library.register_fake("torchclip::clip_grad_norm_")
-def _clip_grad_norm_fake(grads, max_norm, norm_type, error_if_nonfinite, eps=1e-6, norm_at_least_float32=False,
-                         nonfinite="propagate"):
+def _clip_grad_norm_fake(
+    grads, max_norm, norm_type, error_if_nonfinite, eps=1e-6, norm_at_least_float32=False, nonfinite="propagate"
+):
     dtype = total_norm_dtype(grads)
     if norm_at_least_float32:
         dtype = torch.promote_types(dtype, torch.float32)
-    return (grads[0].new_empty((), dtype=dtype), grads[0].new_empty((len(grads),), dtype=torch.float64),
-            grads[0].new_empty((), dtype=torch.float64))
+    return (
+        grads[0].new_empty((), dtype=dtype),
+        grads[0].new_empty((len(grads),), dtype=torch.float64),
+        grads[0].new_empty((), dtype=torch.float64),
+    )
 
 
-def clip_by_tensor_norm_(tensors: Sequence[torch.Tensor], max_norm: float, nonfinite: str = "propagate") -> torch.Tensor:
+def clip_by_tensor_norm_(
+    tensors: Sequence[torch.Tensor], max_norm: float, nonfinite: str = "propagate"
+) -> torch.Tensor:
     """Each tensor scaled by max_norm / its 2-norm where that exceeds max_norm; returns the norms."""
     return _ops.clip_by_tensor_norm_(tensors, float(max_norm), nonfinite)
 
@@ -179,8 +190,9 @@ def _clip_by_tensor_norm_fake(tensors, max_norm, nonfinite="propagate"):
     return tensors[0].new_empty((len(tensors),), dtype=torch.float64)
 
 
-def unitwise_clip_(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor], clip_factor: float, eps: float,
-                   norm_type: float) -> None:
+def unitwise_clip_(
+    grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor], clip_factor: float, eps: float, norm_type: float
+) -> None:
     """Adaptive gradient clipping, unit-wise (each output unit's gradient norm against its weight's)."""
     _ops.unitwise_clip_(grads, params, float(clip_factor), float(eps), float(norm_type))
 
@@ -190,17 +202,47 @@ def _unitwise_clip_fake(grads, params, clip_factor, eps, norm_type):
     return None
 
 
-def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr: float, beta1: float,
-               beta2: float, weight_decay: float, eps: float, amsgrad: bool, maximize: bool,
-               decoupled_weight_decay: bool, grad_scale: torch.Tensor | None = None,
-               found_inf: torch.Tensor | None = None) -> bool:
+def adam_step_(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    max_exp_avg_sqs,
+    state_steps,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    amsgrad: bool,
+    maximize: bool,
+    decoupled_weight_decay: bool,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> bool:
     """One Adam/AdamW step with torch's fused CPU arithmetic that only reads the gradients (divided by
     grad_scale); False, with nothing written, where the kernels do not walk the lists."""
-    return bool(_ops.adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr=float(lr),
-                           beta1=float(beta1), beta2=float(beta2), weight_decay=float(weight_decay), eps=float(eps),
-                           amsgrad=bool(amsgrad), maximize=bool(maximize),
-                           decoupled_weight_decay=bool(decoupled_weight_decay), grad_scale=grad_scale,
-                           found_inf=found_inf))
+    return bool(
+        _ops.adam_step_(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            max_exp_avg_sqs,
+            state_steps,
+            lr=float(lr),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            weight_decay=float(weight_decay),
+            eps=float(eps),
+            amsgrad=bool(amsgrad),
+            maximize=bool(maximize),
+            decoupled_weight_decay=bool(decoupled_weight_decay),
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+        )
+    )
 
 
 @torch.library.register_fake("torchclip::adam_step_")

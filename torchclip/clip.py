@@ -109,8 +109,9 @@ class ClipGradByNorm(ClipGradBase):
         self.last_norms: Tensor | None = None
 
     def _clip_parameters(self, params):
-        norms = _ops.clip_by_tensor_norm_of_plain(params, self.clip_norm, honor_need_clip=True,
-                                                  nonfinite=self.nonfinite)
+        norms = _ops.clip_by_tensor_norm_of_plain(
+            params, self.clip_norm, honor_need_clip=True, nonfinite=self.nonfinite
+        )
         if norms is not None:
             self.last_norms = norms
             self._record(norms)
@@ -126,8 +127,10 @@ class ClipGradByNorm(ClipGradBase):
         norms = torch.stack([_norm(g).to(grads[0].device, torch.float64) for g in grads])
         finite = torch.isfinite(norms).all()
         if self.nonfinite == "raise" and not finite:  # raising needs the answer on the host
-            raise RuntimeError("ClipGradByNorm: a gradient's norm is non-finite (NaN or inf), so it cannot be "
-                               "clipped; no gradient was changed")
+            raise RuntimeError(
+                "ClipGradByNorm: a gradient's norm is non-finite (NaN or inf), so it cannot be "
+                "clipped; no gradient was changed"
+            )
         keep = ~finite if self.nonfinite == "skip" else torch.zeros((), dtype=torch.bool, device=norms.device)
         for g, norm in zip(grads, norms):
             # As the kernel: unchanged only when norm <= clip_norm, so a NaN norm propagates.
@@ -169,8 +172,15 @@ class ClipGradByGlobalNorm(ClipGradBase):
     gradient was scaled by, 0-d float64: 1 when nothing was clipped).
     """
 
-    def __init__(self, clip_norm: float, group_name: str = "default_group", auto_skip_clip: bool = False, *,
-                 nonfinite: str = "propagate", process_group=None):
+    def __init__(
+        self,
+        clip_norm: float,
+        group_name: str = "default_group",
+        auto_skip_clip: bool = False,
+        *,
+        nonfinite: str = "propagate",
+        process_group=None,
+    ):
         self.clip_norm = _positive_finite("clip_norm", clip_norm)
         self.nonfinite = _policy(nonfinite)
         # torchclip's addition: the gradients are this rank's shard of the group's (see
@@ -212,12 +222,22 @@ class ClipGradByGlobalNorm(ClipGradBase):
         of NaN here)."""
         if self.process_group is not None:
             return None
-        found = _ops.clip_grad_norm_of_plain(params, math.inf, 2.0, False, eps=0.0, norm_at_least_float32=True,
-                                             honor_need_clip=True, nonfinite=nonfinite, keep_stats=True)
+        found = _ops.clip_grad_norm_of_plain(
+            params,
+            math.inf,
+            2.0,
+            False,
+            eps=0.0,
+            norm_at_least_float32=True,
+            honor_need_clip=True,
+            nonfinite=nonfinite,
+            keep_stats=True,
+        )
         return None if found is None else found[:2]
 
-    def fold_into_fused_step(self, params, scaler_scale: Tensor | None,
-                             scaler_found: Tensor | None) -> tuple[Tensor, Tensor | None] | None:
+    def fold_into_fused_step(
+        self, params, scaler_scale: Tensor | None, scaler_found: Tensor | None
+    ) -> tuple[Tensor, Tensor | None] | None:
         """This clip handed to a fused optimizer step (torchclip.optim): the global norm of `params`'
         selected gradients, taken and written nowhere, turned into the (grad_scale, found_inf) the step's
         kernel divides each gradient by and skips on; None where the C++ walk declines (clip in place).
@@ -236,8 +256,10 @@ class ClipGradByGlobalNorm(ClipGradBase):
         if scaler_found is not None:
             found = found & (scaler_found.to(norm.device) == 0)  # a step the scaler skips is not the clip's
         if self.nonfinite == "raise" and not raises_here and bool(found):
-            raise RuntimeError("ClipGradByGlobalNorm: the global norm is non-finite (NaN or inf), so it cannot be "
-                               "clipped; no gradient was changed")
+            raise RuntimeError(
+                "ClipGradByGlobalNorm: the global norm is non-finite (NaN or inf), so it cannot be "
+                "clipped; no gradient was changed"
+            )
         self._record_found(found)
         # 1 / Paddle's coefficient clip_norm / max(norm, clip_norm); inf or NaN for a non-finite norm, which
         # the kernel's division turns into what scaling by 0 or NaN gives (nonfinite="propagate").
@@ -256,9 +278,17 @@ class ClipGradByGlobalNorm(ClipGradBase):
         if self.process_group is not None:
             return False  # sharded clipping needs the (param, grad) pairs: the Python walk
         # Paddle's formula is torch's with eps = 0: min(clip_norm / global_norm, 1).
-        found = _ops.clip_grad_norm_of_plain(params, self.clip_norm, 2.0, False, eps=0.0,
-                                             norm_at_least_float32=True, honor_need_clip=True,
-                                             nonfinite=self.nonfinite, keep_stats=True)
+        found = _ops.clip_grad_norm_of_plain(
+            params,
+            self.clip_norm,
+            2.0,
+            False,
+            eps=0.0,
+            norm_at_least_float32=True,
+            honor_need_clip=True,
+            nonfinite=self.nonfinite,
+            keep_stats=True,
+        )
         if found is not None:
             self._keep(*found)
             self._record(found[0])
@@ -268,8 +298,11 @@ class ClipGradByGlobalNorm(ClipGradBase):
         if not grads:
             return
         if _ops.kernels_serve(grads):
-            self._keep(*_ops.clip_grad_norm_(grads, self.clip_norm, 2.0, False, eps=0.0,
-                                                     norm_at_least_float32=True, nonfinite=self.nonfinite))
+            self._keep(
+                *_ops.clip_grad_norm_(
+                    grads, self.clip_norm, 2.0, False, eps=0.0, norm_at_least_float32=True, nonfinite=self.nonfinite
+                )
+            )
             self._record(self.last_global_norm)
             return
         wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
@@ -278,8 +311,10 @@ class ClipGradByGlobalNorm(ClipGradBase):
         global_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
         finite = torch.isfinite(global_norm)
         if self.nonfinite == "raise" and not finite:  # raising needs the answer on the host
-            raise RuntimeError("ClipGradByGlobalNorm: the global norm is non-finite (NaN or inf), so it cannot be "
-                               "clipped; no gradient was changed")
+            raise RuntimeError(
+                "ClipGradByGlobalNorm: the global norm is non-finite (NaN or inf), so it cannot be "
+                "clipped; no gradient was changed"
+            )
         scale = self.clip_norm / torch.clamp(global_norm, min=self.clip_norm)
         if self.nonfinite == "skip":
             scale = torch.where(finite, scale, torch.ones_like(scale))
@@ -298,8 +333,7 @@ class ClipGradByGlobalNorm(ClipGradBase):
 def _predicate(need_clip):
     if need_clip is not None and not callable(need_clip):
         raise TypeError(
-            f"need_clip must be a function taking a parameter and returning True (clip it) or False, "
-            f"got {need_clip!r}"
+            f"need_clip must be a function taking a parameter and returning True (clip it) or False, got {need_clip!r}"
         )
     return need_clip
 
@@ -323,7 +357,8 @@ class GradientClipByNorm(ClipGradByNorm):
 class GradientClipByGlobalNorm(ClipGradByGlobalNorm):
     """fluid.clip.GradientClipByGlobalNorm: ClipGradByGlobalNorm plus a need_clip predicate."""
 
-    def __init__(self, clip_norm: float, group_name: str = "default_group",
-                 need_clip: Callable[[Tensor], bool] | None = None):
+    def __init__(
+        self, clip_norm: float, group_name: str = "default_group", need_clip: Callable[[Tensor], bool] | None = None
+    ):
         super().__init__(clip_norm, group_name)
         self._need_clip_predicate = _predicate(need_clip)

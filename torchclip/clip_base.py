@@ -30,11 +30,16 @@ def _tensor_norms(tensors: list[Tensor], ord: float = 2.0) -> Tensor:
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) and _ops.kernels_serve(tensors):
         return _ops.multi_tensor_norm(tensors, ord, False)[1]
     device = tensors[0].device
-    return torch.stack([
-        (_sparse.norm64(t, ord) if _sparse.is_sparse(t) else
-         torch.linalg.vector_norm(t, ord, dtype=torch.complex128 if t.is_complex() else torch.float64)).to(device)
-        for t in tensors
-    ])
+    return torch.stack(
+        [
+            (
+                _sparse.norm64(t, ord)
+                if _sparse.is_sparse(t)
+                else torch.linalg.vector_norm(t, ord, dtype=torch.complex128 if t.is_complex() else torch.float64)
+            ).to(device)
+            for t in tensors
+        ]
+    )
 
 
 def add_to_count(count: Tensor | None, found: Tensor) -> Tensor:

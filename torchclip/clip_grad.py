@@ -200,8 +200,10 @@ def _check_total_norm(total_norm) -> None:
     if not isinstance(total_norm, Tensor):
         raise TypeError(f"total_norm must be a 0-d tensor (get_total_norm's result), got {total_norm!r:.60}")
     if total_norm.dim() != 0:
-        raise RuntimeError(f"total_norm must be a 0-d tensor (get_total_norm's result), got a tensor of shape "
-                           f"{tuple(total_norm.shape)}")
+        raise RuntimeError(
+            f"total_norm must be a 0-d tensor (get_total_norm's result), got a tensor of shape "
+            f"{tuple(total_norm.shape)}"
+        )
 
 
 def _coefficient(max_norm: float, total_norm: Tensor, eps: float) -> Tensor:
@@ -244,16 +246,23 @@ def clip_grad_norm_(
     norm_type = _as_number("norm_type", norm_type)
     grads = _grads(parameters)
     with torch.no_grad():
-        return _clip_grad_norm_general(parameters, grads, max_norm, norm_type, error_if_nonfinite, foreach,
-                                       process_group)
+        return _clip_grad_norm_general(
+            parameters, grads, max_norm, norm_type, error_if_nonfinite, foreach, process_group
+        )
 
 
-def _clip_grad_norm_general(parameters, grads, max_norm: float, norm_type: float, error_if_nonfinite, foreach,
-                            process_group) -> Tensor:
+def _clip_grad_norm_general(
+    parameters, grads, max_norm: float, norm_type: float, error_if_nonfinite, foreach, process_group
+) -> Tensor:
     if process_group is not None:
         params = [p for p in parameters if p.grad is not None]
-        return _clip_shards(_shards.hand_shards(grads, params, process_group), max_norm, norm_type,
-                            error_if_nonfinite, _ops.total_norm_dtype(grads))
+        return _clip_shards(
+            _shards.hand_shards(grads, params, process_group),
+            max_norm,
+            norm_type,
+            error_if_nonfinite,
+            _ops.total_norm_dtype(grads),
+        )
     if grads and _ops.kernels_serve(grads):
         return _ops.clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite)[0]
     shards = _shards.dtensor_shards(grads)

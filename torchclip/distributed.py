@@ -118,8 +118,10 @@ def sharded_norms(shards: Shards, norm_type: float, per_tensor: bool = False) ->
     value per gradient, and the total is formed from the global per-tensor norms. p = 0 takes the
     per-tensor route whenever the shards are aligned: torch's p = 0 total counts whole tensors."""
     if per_tensor and not shards.aligned:
-        raise ValueError("per_tensor: per-tensor norms need every rank to hold pieces of the same gradients "
-                         "in the same order (DTensor gradients do; hand-sharded lists need not)")
+        raise ValueError(
+            "per_tensor: per-tensor norms need every rank to hold pieces of the same gradients "
+            "in the same order (DTensor gradients do; hand-sharded lists need not)"
+        )
     local = _local_norms(shards, norm_type)
     if per_tensor or (norm_type == 0.0 and shards.aligned):
         norms = _all_combine(local, norm_type, shards.groups)
@@ -204,6 +206,8 @@ def global_norms(parameters, norm_type: float = 2.0, *, process_group=None) -> t
     else:
         shards = dtensor_shards(grads)
         if shards is None:
-            raise ValueError("parameters: without a process_group, global_norms takes DTensor gradients with "
-                             "Shard or Replicate placements")
+            raise ValueError(
+                "parameters: without a process_group, global_norms takes DTensor gradients with "
+                "Shard or Replicate placements"
+            )
     return sharded_norms(shards, float(norm_type), per_tensor=True)

@@ -34,16 +34,22 @@ def set_need_clip(target, need_clip: bool) -> int:
     ParamAttr(need_clip=...). Returns how many were marked."""
     if not isinstance(need_clip, bool):
         raise TypeError(f"need_clip must be a bool, got {need_clip!r}")
-    params = _checked_parameters(_items_of(target, "set_need_clip: target", _PARAMETERS), "set_need_clip: target",
-                                 _PARAMETERS)
+    params = _checked_parameters(
+        _items_of(target, "set_need_clip: target", _PARAMETERS), "set_need_clip: target", _PARAMETERS
+    )
     for p in params:
         p.need_clip = need_clip
     _marks_changed()
     return len(params)
 
 
-_NORM_LAYERS = (torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm,
-                torch.nn.LocalResponseNorm, torch.nn.RMSNorm)
+_NORM_LAYERS = (
+    torch.nn.modules.batchnorm._NormBase,
+    torch.nn.LayerNorm,
+    torch.nn.GroupNorm,
+    torch.nn.LocalResponseNorm,
+    torch.nn.RMSNorm,
+)
 
 
 def exclude_from_clipping(module: torch.nn.Module, *, biases: bool = True, norm_layers: bool = True) -> int:
@@ -105,14 +111,17 @@ def _resolve_params(items: Sequence, program) -> Sequence[Tensor]:
         named = dict(program.named_parameters())
         unknown = [name for name in items if name not in named]
         if unknown:
-            raise ValueError(f"set_gradient_clip: no parameter named {unknown} in {type(program).__name__} "
-                             f"(it has {sorted(named)[:8]}{'...' if len(named) > 8 else ''})")
+            raise ValueError(
+                f"set_gradient_clip: no parameter named {unknown} in {type(program).__name__} "
+                f"(it has {sorted(named)[:8]}{'...' if len(named) > 8 else ''})"
+            )
         return [named[name] for name in items]
     kind = str if items and isinstance(items[0], str) else Tensor
     for i, item in enumerate(items):
         if not isinstance(item, kind):
-            raise TypeError(f"set_gradient_clip: param_list item {i} is {_brief(item)}; it takes {_PARAM_LIST}, "
-                            f"not a mix")
+            raise TypeError(
+                f"set_gradient_clip: param_list item {i} is {_brief(item)}; it takes {_PARAM_LIST}, not a mix"
+            )
     return items
 
 

@@ -72,8 +72,10 @@ _GROUP_KEY = "grad_clip"
 
 def _check_clip(clip, where: str):
     if clip is not None and not isinstance(clip, ClipGradBase):
-        raise TypeError(f"{where} must be a torchclip clip (ClipGradByValue, ClipGradByNorm, ClipGradByGlobalNorm, "
-                        f"or a legacy GradientClipBy*), got {clip!r}")
+        raise TypeError(
+            f"{where} must be a torchclip clip (ClipGradByValue, ClipGradByNorm, ClipGradByGlobalNorm, "
+            f"or a legacy GradientClipBy*), got {clip!r}"
+        )
 
 
 def _warn_both_set():
@@ -100,8 +102,9 @@ class _Plan:
 
     def __init__(self, optimizer, default):
         self.generation, self.default = marks.generation(), default
-        self.groups = [(group.get(_GROUP_KEY), group.get("fused"), tuple(group["params"]))
-                       for group in optimizer.param_groups]
+        self.groups = [
+            (group.get(_GROUP_KEY), group.get("fused"), tuple(group["params"])) for group in optimizer.param_groups
+        ]
         by_clip: dict[int, tuple[ClipGradBase, list]] = {}
         by_group_name: dict[str, tuple[ClipGradByGlobalNorm, list]] = {}
         warned = False
@@ -117,8 +120,10 @@ class _Plan:
                     if isinstance(clip, ClipGradByGlobalNorm):
                         entry = by_group_name.setdefault(clip.group_name, (clip, []))
                         if entry[0].clip_norm != clip.clip_norm:
-                            raise ValueError("All parameters' 'clip_norm' of a same group should be the same: group "
-                                             f"{clip.group_name!r} has {entry[0].clip_norm} and {clip.clip_norm}")
+                            raise ValueError(
+                                "All parameters' 'clip_norm' of a same group should be the same: group "
+                                f"{clip.group_name!r} has {entry[0].clip_norm} and {clip.clip_norm}"
+                            )
                         entry[1].append(p)
                         served += 1
                         continue
@@ -133,9 +138,13 @@ class _Plan:
         if len(self.entries) == 1 and _steps_fused(optimizer):
             clip, params = self.entries[0]
             whole = served == sum(len(group["params"]) for group in optimizer.param_groups)
-            if (whole and type(clip) in (ClipGradByGlobalNorm, GradientClipByGlobalNorm)
-                    and clip._need_clip_predicate is None and clip.process_group is None
-                    and all(getattr(p, "need_clip", True) is not False for p in params)):
+            if (
+                whole
+                and type(clip) in (ClipGradByGlobalNorm, GradientClipByGlobalNorm)
+                and clip._need_clip_predicate is None
+                and clip.process_group is None
+                and all(getattr(p, "need_clip", True) is not False for p in params)
+            ):
                 self.folded = clip
 
     def serves(self, optimizer, default) -> bool:
@@ -144,18 +153,26 @@ class _Plan:
         swapped, add_param_group)."""
         # Every step, O(parameters): 15 us for 1000 on 2 CPU cores, a fifth of clipping 1000 16-element gradients.
         groups = optimizer.param_groups
-        return (self.generation == marks.generation() and self.default is default
-                and len(self.groups) == len(groups)
-                and all(clip is group.get(_GROUP_KEY) and fused == group.get("fused")
-                        and len(params) == len(group["params"]) and all(map(operator.is_, params, group["params"]))
-                        for (clip, fused, params), group in zip(self.groups, groups)))
+        return (
+            self.generation == marks.generation()
+            and self.default is default
+            and len(self.groups) == len(groups)
+            and all(
+                clip is group.get(_GROUP_KEY)
+                and fused == group.get("fused")
+                and len(params) == len(group["params"])
+                and all(map(operator.is_, params, group["params"]))
+                for (clip, fused, params), group in zip(self.groups, groups)
+            )
+        )
 
 
 def _steps_fused(optimizer) -> bool:
     """Whether step() runs torch's fused kernel on every group, the kernel that reads grad_scale and
     found_inf (torch marks such optimizers with _step_supports_amp_scaling)."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
-        group.get("fused") for group in optimizer.param_groups)
+        group.get("fused") for group in optimizer.param_groups
+    )
 
 
 def _clip_in_place(optimizer, plan: _Plan, on_device: bool = False):
@@ -268,11 +285,15 @@ class _Attachment:
 
         # A bound method, as torch's LR schedulers expect (they re-wrap optimizer.step.__func__).
         optimizer.step = types.MethodType(step, optimizer)
-        self._handles = [] if self._removed else [
-            optimizer.register_state_dict_post_hook(_drop_clips_from_state),
-            optimizer.register_load_state_dict_pre_hook(_remember_clips),
-            optimizer.register_load_state_dict_post_hook(_restore_clips),
-        ]
+        self._handles = (
+            []
+            if self._removed
+            else [
+                optimizer.register_state_dict_post_hook(_drop_clips_from_state),
+                optimizer.register_load_state_dict_pre_hook(_remember_clips),
+                optimizer.register_load_state_dict_post_hook(_restore_clips),
+            ]
+        )
         optimizer.__dict__.setdefault("_torchclip_attachments", []).append(self)
         optimizer.__reduce_ex__ = types.MethodType(_reduce_attached, optimizer)  # (copy and pickle read the instance's)
 
@@ -311,8 +332,9 @@ class _Attachment:
         - on any other step: clip in place, and a refusal, read here, skips the step."""
         plan = self.plan_for(optimizer)
         if plan.folded is not None:
-            folding = plan.folded.fold_into_fused_step(plan.entries[0][1], getattr(optimizer, "grad_scale", None),
-                                                       getattr(optimizer, "found_inf", None))
+            folding = plan.folded.fold_into_fused_step(
+                plan.entries[0][1], getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None)
+            )
             if folding is not None:
                 if plan.folded.nonfinite == "skip":
                     self._count_skips_on_device(plan.folded.found_nonfinite)
@@ -404,11 +426,13 @@ def _keras_clip(grad_clip, **keras) -> ClipGradBase | None:
     their global norm: g * c / max(global_norm, c)); at most one of them, and not with grad_clip."""
     given = {name: value for name, value in keras.items() if value is not None}
     if len(given) > 1:
-        raise ValueError("Only one of clipnorm, clipvalue and global_clipnorm can be set (as in Keras), got "
-                         + ", ".join(f"{name}={value!r}" for name, value in given.items()))
+        raise ValueError(
+            "Only one of clipnorm, clipvalue and global_clipnorm can be set (as in Keras), got "
+            + ", ".join(f"{name}={value!r}" for name, value in given.items())
+        )
     if not given:
         return grad_clip
-    (name, value), = given.items()
+    ((name, value),) = given.items()
     if grad_clip is not None:
         raise ValueError(f"grad_clip and {name} both set (grad_clip={grad_clip!r}, {name}={value!r}): give one of them")
     limit = _positive_finite(name, value)
@@ -426,8 +450,16 @@ def with_grad_clip(optimizer_class: type) -> type:
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
 
-    def __init__(self, params, *args, grad_clip: ClipGradBase | None = None, clipnorm: float | None = None,
-                 clipvalue: float | None = None, global_clipnorm: float | None = None, **kwargs):
+    def __init__(
+        self,
+        params,
+        *args,
+        grad_clip: ClipGradBase | None = None,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        **kwargs,
+    ):
         grad_clip = _keras_clip(grad_clip, clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm)
         optimizer_class.__init__(self, params, *args, **kwargs)
         attach(self, grad_clip)

@@ -41,7 +41,9 @@ def grad_norm(module: torch.nn.Module, norm_type: float | str, group_separator: 
         norms = _tensor_norms(grads, norm_type)
         total = torch.linalg.vector_norm(norms, norm_type)
         on_host = torch.cat([norms, total.reshape(1)]).cpu()  # the one device-to-host copy
-    out = {f"grad_{norm_type}_norm{group_separator}{name}": on_host[i].to(g.dtype.to_real())
-           for i, (name, g) in enumerate(named)}
+    out = {
+        f"grad_{norm_type}_norm{group_separator}{name}": on_host[i].to(g.dtype.to_real())
+        for i, (name, g) in enumerate(named)
+    }
     out[f"grad_{norm_type}_norm_total"] = on_host[-1].to(_ops.total_norm_dtype(grads))
     return out

@@ -72,8 +72,10 @@ def clip_by_value(t: Tensor, clip_value_min, clip_value_max) -> Tensor:
         if not isinstance(bound, (Tensor, int, float)) or isinstance(bound, bool):
             raise TypeError(f"{name} must be a number or a tensor, got {bound!r}")
     if len(numbers) == 2 and clip_value_min > clip_value_max:
-        raise ValueError(f"clip_value_min must be <= clip_value_max, got clip_value_min={clip_value_min!r}, "
-                         f"clip_value_max={clip_value_max!r}")
+        raise ValueError(
+            f"clip_value_min must be <= clip_value_max, got clip_value_min={clip_value_min!r}, "
+            f"clip_value_max={clip_value_max!r}"
+        )
     if len(numbers) == 2:
         return torch.clamp(t, clip_value_min, clip_value_max)
     # Tensor bounds (both, as clamp takes them) in t's dtype, as TensorFlow requires: no type promotion.
@@ -154,12 +156,12 @@ def clip_by_global_norm(t_list, clip_norm, use_norm=None) -> tuple[list[Tensor |
     if not tensors:
         return list(t_list), torch.as_tensor(0.0 if use_norm is None else use_norm)
     device = tensors[0].device
-    norm64 = (_global_norm64(tensors) if use_norm is None
-              else torch.as_tensor(use_norm, dtype=torch.float64).to(device))
+    norm64 = _global_norm64(tensors) if use_norm is None else torch.as_tensor(use_norm, dtype=torch.float64).to(device)
     limit = clip_norm.to(device, torch.float64) if isinstance(clip_norm, Tensor) else clip_norm
     # TensorFlow's: clip_norm * min(1 / norm, 1 / clip_norm), plus (norm - norm), NaN for inf or NaN.
-    scale = limit * torch.minimum(1.0 / norm64, torch.as_tensor(1.0 / limit, dtype=torch.float64,
-                                                                device=device)) + (norm64 - norm64)
+    scale = limit * torch.minimum(1.0 / norm64, torch.as_tensor(1.0 / limit, dtype=torch.float64, device=device)) + (
+        norm64 - norm64
+    )
     out: list[Tensor | None] = list(t_list)
     if _needs_grad(tensors) or not all(t.layout == torch.strided for t in tensors):
         for i, t in zip(positions, tensors):
@@ -172,6 +174,9 @@ def clip_by_global_norm(t_list, clip_norm, use_norm=None) -> tuple[list[Tensor |
             scaled = torch._foreach_mul([tensors[k] for k in members], scale.to(_math_dtype(dtype)))
             for k, s in zip(members, scaled):
                 out[positions[k]] = s.to(dtype)
-    returned = norm64.to(_ops.total_norm_dtype(tensors)) if use_norm is None else (
-        use_norm if isinstance(use_norm, Tensor) else torch.as_tensor(use_norm))
+    returned = (
+        norm64.to(_ops.total_norm_dtype(tensors))
+        if use_norm is None
+        else (use_norm if isinstance(use_norm, Tensor) else torch.as_tensor(use_norm))
+    )
     return out, returned

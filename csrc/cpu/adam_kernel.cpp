@@ -126,8 +126,8 @@ struct Streams {
 };
 
 template <typename T, bool kDecoupled>
-void step_blocks(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, T* max_exp_avg_sq, int64_t n,
-    const AdamStep& h, const Coefficients<typename Lanes<T>::Opmath>& c) {
+void step_blocks(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, T* max_exp_avg_sq, int64_t n, const AdamStep& h,
+    const Coefficients<typename Lanes<T>::Opmath>& c) {
   using L = Lanes<T>;
   using V = typename L::V;
   const bool lerp_from_exp_avg = std::fabs(c.lerp_weight) < 0.5;  // torch's lerp: the side nearer the weight

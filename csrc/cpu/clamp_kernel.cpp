@@ -75,8 +75,7 @@ void fill_nan(T* x, int64_t n) {
 void clamp(const TensorSpan* spans, int64_t count, double lo, double hi) {
   const bool nan_bound = std::isnan(lo) || std::isnan(hi);
   // [-inf, inf] changes nothing: skip the write pass entirely.
-  if (!nan_bound && lo == -std::numeric_limits<double>::infinity() &&
-      hi == std::numeric_limits<double>::infinity()) {
+  if (!nan_bound && lo == -std::numeric_limits<double>::infinity() && hi == std::numeric_limits<double>::infinity()) {
     return;
   }
   const ChunkPlan plan = plan_chunks(spans, count);

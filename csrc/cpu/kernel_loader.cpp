@@ -59,7 +59,8 @@ std::string load_cpu_kernels(const std::string& path) {
       ". Rebuild torchclip against the installed torch: pip install --no-build-isolation -e .");
   using TableFn = const cpu::KernelTable* (*)();
   auto table_fn = reinterpret_cast<TableFn>(dlsym(handle, "torchclip_cpu_kernel_table"));
-  TORCH_CHECK(table_fn != nullptr, "torchclip: '", path, "' is not a torchclip CPU kernel library (no "
+  TORCH_CHECK(table_fn != nullptr, "torchclip: '", path,
+      "' is not a torchclip CPU kernel library (no "
       "torchclip_cpu_kernel_table symbol)");
   const cpu::KernelTable* table = table_fn();
   TORCH_CHECK(table->abi_version == cpu::kKernelAbiVersion, "torchclip: the CPU kernel library '", path,
@@ -79,7 +80,8 @@ std::string loaded_cpu_capability() {
 const cpu::KernelTable& cpu_kernels() {
   one_thread_after_fork();
   const cpu::KernelTable* table = active_table.load();
-  TORCH_CHECK(table != nullptr, "torchclip: no CPU kernel library is loaded. `import torchclip` loads the "
+  TORCH_CHECK(table != nullptr,
+      "torchclip: no CPU kernel library is loaded. `import torchclip` loads the "
       "one for this CPU; C++ users call torchclip::load_cpu_kernels(path) first.");
   return *table;
 }

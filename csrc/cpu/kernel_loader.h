@@ -13,7 +13,8 @@ bool cpu_runs(const std::string& capability);
 
 // dlopen()s `path` (RTLD_LOCAL: nothing it holds can interpose on other libraries), checks its ABI
 // version and that this CPU runs its instruction set (an error, not SIGILL), and makes it the table
-// every CPU op uses from now on. Returns the library's capability name. Safe to call again to switch instruction sets (the tests do, to run every compiled path).
+// every CPU op uses from now on. Returns the library's capability name. Safe to call again to switch instruction sets
+// (the tests do, to run every compiled path).
 std::string load_cpu_kernels(const std::string& path);
 
 // The capability name of the loaded library, or "" when none is loaded.

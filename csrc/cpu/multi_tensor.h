@@ -134,8 +134,8 @@ inline void for_each_piece(const ChunkPlan& plan, const TensorSpan* spans, F&& f
 template <typename Visit>
 inline void parallel_for_pieces(const ChunkPlan& plan, const TensorSpan* spans, const Visit& visit) {
   const int64_t num_chunks = static_cast<int64_t>(plan.chunks.size());
-  const int64_t threads = std::min<int64_t>(
-      at::get_num_threads(), std::max<int64_t>(1, plan.total_elements / kMinElementsPerThread));
+  const int64_t threads =
+      std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, plan.total_elements / kMinElementsPerThread));
   if (threads <= 1 || num_chunks <= 1 || at::in_parallel_region()) {
     for_each_piece(plan, spans, visit);
     return;
@@ -143,8 +143,7 @@ inline void parallel_for_pieces(const ChunkPlan& plan, const TensorSpan* spans, 
   auto first_chunk_of = [&](int64_t t) -> int64_t {
     // The first chunk that starts at or after thread t's share of the elements.
     const int64_t start = plan.total_elements / threads * t + std::min(t, plan.total_elements % threads);
-    return std::lower_bound(plan.first_element.begin(), plan.first_element.end(), start) -
-        plan.first_element.begin();
+    return std::lower_bound(plan.first_element.begin(), plan.first_element.end(), start) - plan.first_element.begin();
   };
   at::parallel_for(0, threads, 1, [&](int64_t t_begin, int64_t t_end) {
     for (int64_t t = t_begin; t < t_end; ++t) {

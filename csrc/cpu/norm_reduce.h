@@ -15,7 +15,6 @@
 namespace torchclip::cpu {
 namespace {
 
-
 using namespace simd;
 
 struct Partial {
@@ -314,8 +313,8 @@ double finish(const Partial& acc, const TensorSpan& span, NormOrder order) {
     case NormKind::Zero:
       return acc.sum;
     case NormKind::Two: {
-      const bool squares_may_leave_range = std::isfinite(acc.extreme) && acc.extreme > 0.0 &&
-          (acc.extreme > 0x1p+480 || acc.extreme < 0x1p-480);
+      const bool squares_may_leave_range =
+          std::isfinite(acc.extreme) && acc.extreme > 0.0 && (acc.extreme > 0x1p+480 || acc.extreme < 0x1p-480);
       if (span.dtype == DType::Float64 && !acc.has_nan && squares_may_leave_range) {
         return scaled_two_norm(static_cast<const double*>(span.data), span.numel, acc.extreme);
       }

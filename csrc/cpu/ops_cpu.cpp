@@ -119,8 +119,8 @@ template <typename AtenScale>
 void apply_scales(at::TensorList tensors, const Split& split, const std::vector<double>& scales,
     const AtenScale& aten_scale) {
   if (may_overlap(split.spans.data(), split.spans.size(), tensors, split.aten_path)) {
-    in_list_order(tensors, split,
-        [&](int64_t k) { cpu_kernels().scale(&split.spans[k], 1, &scales[split.span_source[k]]); },
+    in_list_order(
+        tensors, split, [&](int64_t k) { cpu_kernels().scale(&split.spans[k], 1, &scales[split.span_source[k]]); },
         [&](int64_t i) {
           if (scales[i] != 1.0) {
             tensors[i].mul_(aten_scale(i));
@@ -172,7 +172,8 @@ void multi_tensor_clamp_cpu_split(at::TensorList tensors, const Split& split, do
   constexpr const char* op = "torchclip.multi_tensor_clamp_";
   check_clampable(tensors, split.aten_path, op);
   if (may_overlap(split.spans.data(), split.spans.size(), tensors, split.aten_path)) {
-    in_list_order(tensors, split, [&](int64_t k) { cpu_kernels().clamp(&split.spans[k], 1, min, max); },
+    in_list_order(
+        tensors, split, [&](int64_t k) { cpu_kernels().clamp(&split.spans[k], 1, min, max); },
         [&](int64_t i) { tensors[i].clamp_min_(min).clamp_max_(max); });
     return;
   }
@@ -185,8 +186,7 @@ void multi_tensor_clamp_cpu_split(at::TensorList tensors, const Split& split, do
 }
 
 at::Tensor clip_grad_norm_cpu_split(at::TensorList grads, const Split& split, double max_norm, double norm_type,
-    bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite,
-    NormClipStats* stats) {
+    bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite, NormClipStats* stats) {
   constexpr const char* op = "torchclip.clip_grad_norm_";
   const NonFinite policy = parse_nonfinite(nonfinite, op);
   check_writable(grads, split.aten_path, op);
@@ -224,7 +224,8 @@ at::Tensor clip_by_tensor_norm_cpu_split(at::TensorList tensors, const Split& sp
   if (may_overlap(split.spans.data(), split.spans.size(), tensors, split.aten_path)) {
     // Each tensor clipped by its norm as the ones before it left it, as a loop over the list does.
     std::vector<double> seen(norms.size());
-    in_list_order(tensors, split,
+    in_list_order(
+        tensors, split,
         [&](int64_t k) {
           double& norm = seen[split.span_source[k]];
           cpu_kernels().tensor_norms(&split.spans[k], 1, norm_order(2.0), &norm);
@@ -337,8 +338,7 @@ void add_unit_spans(const at::Tensor& t, DType dtype, std::vector<cpu::TensorSpa
   }
 }
 
-void unitwise_clip_cpu(at::TensorList grads, at::TensorList params, double clip_factor, double eps,
-    double norm_type) {
+void unitwise_clip_cpu(at::TensorList grads, at::TensorList params, double clip_factor, double eps, double norm_type) {
   constexpr const char* op = "torchclip.unitwise_clip_";
   TORCH_CHECK(grads.size() == params.size(), op, ": got ", grads.size(), " gradients and ", params.size(),
       " parameters; they come in pairs");
@@ -361,8 +361,8 @@ void unitwise_clip_cpu(at::TensorList grads, at::TensorList params, double clip_
   std::vector<int64_t> kernel_pairs, aten_pairs;
   for (size_t i = 0; i < grads.size(); ++i) {
     const at::Tensor &g = grads[i], &p = params[i];
-    TORCH_CHECK(g.sizes() == p.sizes(), op, ": grads[", i, "] has shape ", g.sizes(), " but params[", i,
-        "] has shape ", p.sizes());
+    TORCH_CHECK(g.sizes() == p.sizes(), op, ": grads[", i, "] has shape ", g.sizes(), " but params[", i, "] has shape ",
+        p.sizes());
     TORCH_CHECK(g.is_floating_point() && p.is_floating_point(), op, ": grads[", i, "] and params[", i,
         "] must be floating point, got ", g.scalar_type(), " and ", p.scalar_type());
     const bool kernels_take = g.is_contiguous() && p.is_contiguous() && kernel_dtype(g) && kernel_dtype(p);
@@ -415,9 +415,9 @@ bool walks_beside(const at::Tensor& state, const at::Tensor& param) {
       state.strides() == param.strides() && !state.is_neg();
 }
 
-at::Tensor adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-    at::TensorList max_exp_avg_sqs, at::TensorList state_steps, double lr, double beta1, double beta2,
-    double weight_decay, double eps, bool amsgrad, bool maximize, bool decoupled_weight_decay,
+at::Tensor adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList state_steps, double lr, double beta1,
+    double beta2, double weight_decay, double eps, bool amsgrad, bool maximize, bool decoupled_weight_decay,
     const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
   constexpr const char* op = "torchclip.adam_step_";
   const size_t n = params.size();

@@ -13,7 +13,6 @@
 namespace torchclip::cpu {
 namespace {
 
-
 using namespace simd;
 
 template <typename T>
@@ -26,7 +25,7 @@ void scale_span(T* x, int64_t n, double coefficient) {
       }
     });
   } else if (const float narrow = static_cast<float>(coefficient);
-             narrow != 0.0f && std::fabs(narrow) < std::numeric_limits<float>::min()) {
+      narrow != 0.0f && std::fabs(narrow) < std::numeric_limits<float>::min()) {
     // A coefficient below float32's normal range (clipping a norm near 3e38 to ~1e-3) keeps only a
     // few bits in float32: multiply in float64 instead, then round once to the storage type. Rare
     // enough for a scalar loop.

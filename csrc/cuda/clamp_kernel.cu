@@ -31,8 +31,8 @@ __device__ void clamp_chunk(S* x, int64_t n, double lo, double hi, bool nan_boun
 }
 
 template <typename Table>
-__global__ void __launch_bounds__(kThreads) clamp_kernel(const __grid_constant__ Table table, double lo, double hi,
-    bool nan_bound) {
+__global__ void __launch_bounds__(kThreads)
+    clamp_kernel(const __grid_constant__ Table table, double lo, double hi, bool nan_bound) {
   const BlockWork work = block_work(table);
   const int t = work.t;
   const int64_t begin = work.chunk * kChunk;

@@ -111,8 +111,8 @@ __device__ double finish(const Partial& acc, const S* x, int64_t n, double p) {
   } else if constexpr (kKind == NormKind::Inf || kKind == NormKind::NegInf) {
     return has_nan ? CUDART_NAN : acc.extreme;
   } else if constexpr (kKind == NormKind::Two) {
-    const bool squares_may_leave_range = isfinite(acc.extreme) && acc.extreme > 0.0 &&
-        (acc.extreme > 0x1p+480 || acc.extreme < 0x1p-480);
+    const bool squares_may_leave_range =
+        isfinite(acc.extreme) && acc.extreme > 0.0 && (acc.extreme > 0x1p+480 || acc.extreme < 0x1p-480);
     if (std::is_same_v<S, double> && !has_nan && squares_may_leave_range) {
       // 2^(e-1) <= max |x| < 2^e: every scaled square is below 1 and the largest at least 1/4.
       int exponent = 0;
@@ -131,8 +131,8 @@ __device__ double finish(const Partial& acc, const S* x, int64_t n, double p) {
 }
 
 template <NormKind kKind, typename S, typename Table>
-__device__ void norm_chunk(const Table& table, int t, int64_t chunk, double p, Partial* slots,
-    int32_t* arrivals, double* norms) {
+__device__ void norm_chunk(const Table& table, int t, int64_t chunk, double p, Partial* slots, int32_t* arrivals,
+    double* norms) {
   const bool minimum = tracks_minimum(kKind, p);
   const S* x = static_cast<const S*>(table.data[t]);
   const int64_t numel = table.numel[t];
@@ -174,8 +174,8 @@ __device__ void norm_chunk(const Table& table, int t, int64_t chunk, double p, P
 }
 
 template <NormKind kKind, typename Table>
-__global__ void __launch_bounds__(kThreads) norm_kernel(const __grid_constant__ Table table, double p,
-    Partial* slots, int32_t* arrivals, double* norms) {
+__global__ void __launch_bounds__(kThreads)
+    norm_kernel(const __grid_constant__ Table table, double p, Partial* slots, int32_t* arrivals, double* norms) {
   const BlockWork work = block_work(table);
   dispatch_storage(table.dtype[work.t], [&](auto* tag) {
     using S = std::remove_pointer_t<decltype(tag)>;
@@ -188,8 +188,7 @@ void launch_norms(const DeviceSpan* spans, int64_t count, double p, double* norm
     cudaStream_t stream) {
   multi_tensor_apply(spans, count, [&](const auto& table, int blocks) {
     using Table = std::decay_t<decltype(table)>;
-    norm_kernel<kKind, Table><<<blocks, kThreads, 0, stream>>>(table, p, static_cast<Partial*>(slots), arrivals,
-        norms);
+    norm_kernel<kKind, Table><<<blocks, kThreads, 0, stream>>>(table, p, static_cast<Partial*>(slots), arrivals, norms);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -266,8 +265,8 @@ __global__ void __launch_bounds__(kTotalThreads) total_kernel(const double* norm
   }
 }
 
-__global__ void __launch_bounds__(kTotalThreads) clip_scales_kernel(const double* norms, int64_t count,
-    double max_norm, bool skip_nonfinite, double* scales, int32_t* any_nonfinite) {
+__global__ void __launch_bounds__(kTotalThreads) clip_scales_kernel(const double* norms, int64_t count, double max_norm,
+    bool skip_nonfinite, double* scales, int32_t* any_nonfinite) {
   unsigned mine = 0;
   for (int64_t i = threadIdx.x; i < count; i += blockDim.x) {
     mine |= isfinite(norms[i]) ? 0u : 1u;

@@ -15,9 +15,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
-#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -87,8 +87,8 @@ DeviceSplit split_tensors(at::TensorList tensors, const char* op, c10::Device de
 
 // The walk's split of `tensors` (walk/param_walk.cpp, which checked every tensor) as the kernels take it.
 DeviceSplit from_walk(at::TensorList tensors, const Split& walked) {
-  TORCH_CHECK(tensors.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()), "torchclip: ",
-      tensors.size(), " tensors is more than the CUDA kernels take in one call (2^31 - 1)");
+  TORCH_CHECK(tensors.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()), "torchclip: ", tensors.size(),
+      " tensors is more than the CUDA kernels take in one call (2^31 - 1)");
   DeviceSplit split;
   split.device = tensors[0].device();
   split.promoted = walked.promoted;
@@ -132,9 +132,8 @@ at::Tensor tensor_norms(at::TensorList tensors, const DeviceSplit& split, double
   check_norm_inputs(tensors, split.aten_path, ord, op);
   const int64_t count = static_cast<int64_t>(tensors.size());
   // The kernels launch no block for an empty tensor, whose norm (for the orders that allow one) is 0.
-  const bool any_empty = std::any_of(split.spans.begin(), split.spans.end(), [](const DeviceSpan& s) {
-    return s.numel == 0;
-  });
+  const bool any_empty =
+      std::any_of(split.spans.begin(), split.spans.end(), [](const DeviceSpan& s) { return s.numel == 0; });
   at::Tensor norms =
       any_empty ? at::zeros({count}, float64_on(split.device)) : at::empty({count}, float64_on(split.device));
   if (!split.spans.empty()) {
@@ -177,8 +176,8 @@ cudaStream_t current_stream() {
 // at a time in list order, as torch's loops (and the CPU ops) take them: the blocks of one launch run
 // concurrently and would race on shared elements, and products taken in another order round otherwise.
 template <typename Launch, typename OnAten>
-void apply_in_place(at::TensorList tensors, const std::vector<DeviceSpan>& spans,
-    const std::vector<int64_t>& aten_path, const Launch& launch, const OnAten& on_aten) {
+void apply_in_place(at::TensorList tensors, const std::vector<DeviceSpan>& spans, const std::vector<int64_t>& aten_path,
+    const Launch& launch, const OnAten& on_aten) {
   if (!may_overlap(spans.data(), spans.size(), tensors, aten_path)) {
     if (!spans.empty()) {
       launch(spans.data(), static_cast<int64_t>(spans.size()));
@@ -216,8 +215,8 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_cuda_split(at::TensorList t
   const cudaStream_t stream = current_stream();
   const at::Tensor norms = tensor_norms(tensors, split, ord, kNormOp, stream);
   at::Tensor total = at::empty({}, float64_on(split.device));
-  cuda::total_norm(norms.data_ptr<double>(), norms.numel(), norm_order(ord), total.data_ptr<double>(), nullptr,
-      0.0, 0.0, false, stream);
+  cuda::total_norm(norms.data_ptr<double>(), norms.numel(), norm_order(ord), total.data_ptr<double>(), nullptr, 0.0,
+      0.0, false, stream);
   if (error_if_nonfinite) {
     check_finite_total(total.item<double>(), ord, true);  // the check needs the value: a sync, as torch's
   }
@@ -257,12 +256,12 @@ void multi_tensor_scale_cuda(at::TensorList tensors, const at::Tensor& scale) {
   }
   // The factors as float64 on the device. A CPU 0-d scale is read on the host (no device involved)
   // and written by a fill kernel; a CPU 1-d scale is copied over.
-  const at::Tensor factors = scale.is_cpu() && scale.dim() == 0
-      ? at::full({}, scale.item<double>(), float64_on(device))
-      : scale.to(device, at::kDouble).contiguous();
+  const at::Tensor factors = scale.is_cpu() && scale.dim() == 0 ? at::full({}, scale.item<double>(), float64_on(device))
+                                                                : scale.to(device, at::kDouble).contiguous();
   // The CPU op skips ATen's multiply when the factor is exactly 1; that test would need the value on
   // the host, and x * 1 == x for every x, so here it always multiplies.
-  apply_in_place(tensors, spans, split.aten_path,
+  apply_in_place(
+      tensors, spans, split.aten_path,
       [&](const DeviceSpan* some, int64_t count) {
         cuda::scale(some, count, factors.data_ptr<double>(), scale.dim() == 0 ? 0 : 1, current_stream());
       },
@@ -274,7 +273,8 @@ constexpr const char* kClampOp = "torchclip.multi_tensor_clamp_";
 void multi_tensor_clamp_cuda_split(at::TensorList tensors, const DeviceSplit& split, double min, double max) {
   const c10::cuda::CUDAGuard guard(split.device);
   check_clampable(tensors, split.aten_path, kClampOp);
-  apply_in_place(tensors, split.spans, split.aten_path,
+  apply_in_place(
+      tensors, split.spans, split.aten_path,
       [&](const DeviceSpan* some, int64_t count) { cuda::clamp(some, count, min, max, current_stream()); },
       [&](int64_t i) { tensors[i].clamp_min_(min).clamp_max_(max); });
 }
@@ -287,9 +287,8 @@ void multi_tensor_clamp_cuda(at::TensorList tensors, double min, double max) {
 
 constexpr const char* kClipGradNormOp = "torchclip.clip_grad_norm_";
 
-at::Tensor clip_grad_norm_cuda_split(at::TensorList grads, const DeviceSplit& split, double max_norm,
-    double norm_type, bool error_if_nonfinite, double eps, bool norm_at_least_float32, NonFinite policy,
-    NormClipStats* stats) {
+at::Tensor clip_grad_norm_cuda_split(at::TensorList grads, const DeviceSplit& split, double max_norm, double norm_type,
+    bool error_if_nonfinite, double eps, bool norm_at_least_float32, NonFinite policy, NormClipStats* stats) {
   constexpr const char* op = kClipGradNormOp;
   const c10::cuda::CUDAGuard guard(split.device);
   check_writable(grads, split.aten_path, op);
@@ -304,7 +303,8 @@ at::Tensor clip_grad_norm_cuda_split(at::TensorList grads, const DeviceSplit& sp
   if (error_if_nonfinite || policy == NonFinite::Raise) {
     check_finite_total(total.item<double>(), norm_type, true);  // the check needs the value: a sync, as torch's
   }
-  apply_in_place(grads, split.spans, split.aten_path,
+  apply_in_place(
+      grads, split.spans, split.aten_path,
       [&](const DeviceSpan* some, int64_t count) {
         cuda::scale(some, count, coefficient.data_ptr<double>(), 0, stream);
       },
@@ -350,9 +350,8 @@ at::Tensor clip_by_tensor_norm_cuda_split(at::TensorList tensors, const DeviceSp
     // Each tensor clipped by its norm as the ones before it left it, as a loop over the list does (and
     // the CPU op): a launch per tensor, for lists whose tensors share memory only. Under "skip", a
     // non-finite norm among the first ones leaves every tensor as it was.
-    const at::Tensor skipped = policy == NonFinite::Skip
-        ? any_nonfinite.ne(0)
-        : at::zeros({}, float64_on(split.device).dtype(at::kBool));
+    const at::Tensor skipped =
+        policy == NonFinite::Skip ? any_nonfinite.ne(0) : at::zeros({}, float64_on(split.device).dtype(at::kBool));
     const at::Tensor one_nonfinite = at::empty_like(any_nonfinite);
     at::Tensor seen = at::empty({norms.numel()}, float64_on(split.device));
     for (size_t i = 0; i < tensors.size(); ++i) {
@@ -372,7 +371,8 @@ at::Tensor clip_by_tensor_norm_cuda_split(at::TensorList tensors, const DeviceSp
     }
     return seen;
   }
-  apply_in_place(tensors, split.spans, split.aten_path,
+  apply_in_place(
+      tensors, split.spans, split.aten_path,
       [&](const DeviceSpan* some, int64_t count) { cuda::scale(some, count, scales.data_ptr<double>(), 1, stream); },
       [&](int64_t i) { aten_scale(tensors[i], scales.select(0, i)); });
   return norms;
@@ -382,8 +382,7 @@ at::Tensor clip_by_tensor_norm_cuda(at::TensorList tensors, double max_norm, c10
   const NonFinite policy = parse_nonfinite(nonfinite, kClipByTensorNormOp);
   const c10::Device device = op_device(tensors, nullptr);
   check_not_inference(tensors, kClipByTensorNormOp);
-  return clip_by_tensor_norm_cuda_split(tensors, split_tensors(tensors, kClipByTensorNormOp, device), max_norm,
-      policy);
+  return clip_by_tensor_norm_cuda_split(tensors, split_tensors(tensors, kClipByTensorNormOp, device), max_norm, policy);
 }
 
 // ---- the same on the walk's Split (CudaSplitOps: the fast path's entries) -----------------------
@@ -393,8 +392,7 @@ at::Tensor total_norm_cuda_split(at::TensorList tensors, const Split& walked, do
 }
 
 at::Tensor clip_grad_norm_cuda_split(at::TensorList grads, const Split& walked, double max_norm, double norm_type,
-    bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite,
-    NormClipStats* stats) {
+    bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite, NormClipStats* stats) {
   const NonFinite policy = parse_nonfinite(nonfinite, kClipGradNormOp);
   return clip_grad_norm_cuda_split(grads, from_walk(grads, walked), max_norm, norm_type, error_if_nonfinite, eps,
       norm_at_least_float32, policy, stats);

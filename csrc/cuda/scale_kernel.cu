@@ -33,9 +33,8 @@ __device__ void scale_chunk(S* x, int64_t n, double coefficient) {
       return;
     }
     if (narrow != 0.0f && fabsf(narrow) < FLT_MIN) {
-      update_elements(x, n, [coefficient](float v) {
-        return static_cast<float>(static_cast<double>(v) * coefficient);
-      });
+      update_elements(x, n,
+          [coefficient](float v) { return static_cast<float>(static_cast<double>(v) * coefficient); });
     } else {
       update_elements(x, n, [narrow](float v) { return v * narrow; });
     }
@@ -43,8 +42,8 @@ __device__ void scale_chunk(S* x, int64_t n, double coefficient) {
 }
 
 template <typename Table>
-__global__ void __launch_bounds__(kThreads) scale_kernel(const __grid_constant__ Table table, const double* scales,
-    int64_t stride) {
+__global__ void __launch_bounds__(kThreads)
+    scale_kernel(const __grid_constant__ Table table, const double* scales, int64_t stride) {
   const BlockWork work = block_work(table);
   const int t = work.t;
   const int64_t begin = work.chunk * kChunk;

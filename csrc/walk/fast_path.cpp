@@ -1,7 +1,7 @@
 #include "walk/fast_path.h"
 
-#include <torch/csrc/autograd/python_variable.h>
 #include <ATen/record_function.h>
+#include <torch/csrc/autograd/python_variable.h>
 
 #include <atomic>
 #include <optional>
@@ -75,7 +75,8 @@ auto run(const GatheredTensors& gathered, const char* op, const OnCpu& on_cpu, c
 void use_cuda_split_ops(py::capsule ops) {
   if (!PyCapsule_IsValid(ops.ptr(), kCudaSplitOpsCapsule)) {
     throw py::import_error(std::string("torchclip._cuda and torchclip._C come from different builds (_C expects a "
-        "capsule named ") + kCudaSplitOpsCapsule + "); rebuild: pip install --no-build-isolation -e .");
+                                       "capsule named ") +
+        kCudaSplitOpsCapsule + "); rebuild: pip install --no-build-isolation -e .");
   }
   cuda_split_ops.store(static_cast<const CudaSplitOps*>(PyCapsule_GetPointer(ops.ptr(), kCudaSplitOpsCapsule)),
       std::memory_order_release);
@@ -88,7 +89,8 @@ py::object total_norm_of_plain(py::handle tensors, py::handle norm_type_arg, py:
   if (!norm_type || !gathered.gather(tensors.ptr(), false, false) || gathered.empty()) {
     return py::none();
   }
-  return wrap(run(gathered, "torchclip::multi_tensor_norm",
+  return wrap(run(
+      gathered, "torchclip::multi_tensor_norm",
       [&](at::TensorList list, const Split& split) {
         return total_norm_cpu_split(list, split, *norm_type, nonfinite_raises);
       },
@@ -108,7 +110,8 @@ py::object clip_grad_norm_of_plain(py::handle parameters, py::handle max_norm_ar
   }
   NormClipStats stats;
   NormClipStats* const kept = keep_stats ? &stats : nullptr;
-  at::Tensor total = run(grads, "torchclip::clip_grad_norm_",
+  at::Tensor total = run(
+      grads, "torchclip::clip_grad_norm_",
       [&](at::TensorList list, const Split& split) {
         return clip_grad_norm_cpu_split(list, split, *max_norm, *norm_type, nonfinite_raises, eps,
             norm_at_least_float32, nonfinite, kept);
@@ -130,7 +133,8 @@ py::object clip_by_tensor_norm_of_plain(py::handle parameters, double max_norm, 
   if (!grads.gather(parameters.ptr(), true, honor_need_clip) || grads.empty()) {
     return py::none();
   }
-  at::Tensor norms = run(grads, "torchclip::clip_by_tensor_norm_",
+  at::Tensor norms = run(
+      grads, "torchclip::clip_by_tensor_norm_",
       [&](at::TensorList list, const Split& split) {
         return clip_by_tensor_norm_cpu_split(list, split, max_norm, nonfinite);
       },
@@ -147,7 +151,8 @@ bool clamp_grads_of_plain(py::handle parameters, double min, double max, bool ho
     return false;
   }
   if (!grads.empty()) {
-    run(grads, "torchclip::multi_tensor_clamp_",
+    run(
+        grads, "torchclip::multi_tensor_clamp_",
         [&](at::TensorList list, const Split& split) { multi_tensor_clamp_cpu_split(list, split, min, max); },
         [&](const CudaSplitOps& cuda, at::TensorList list, const Split& split) {
           cuda.multi_tensor_clamp_(list, split, min, max);

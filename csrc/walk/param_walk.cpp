@@ -1,12 +1,12 @@
 #include "walk/param_walk.h"
 
-#include <torch/csrc/autograd/python_variable.h>
-#include <torch/csrc/autograd/variable.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <pybind11/pybind11.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <atomic>
@@ -428,8 +428,7 @@ bool GatheredTensors::walk(PyObject* object, bool take_grad, bool honor_need_cli
       excluded[i] = !need_clip(items_before[i]);
     }
     listed = items_of(object);  // (a list's item array may have moved)
-    if (!listed || listed->count != count ||
-        !std::equal(items_before.begin(), items_before.end(), listed->elements)) {
+    if (!listed || listed->count != count || !std::equal(items_before.begin(), items_before.end(), listed->elements)) {
       return false;
     }
     elements = listed->elements;
@@ -464,8 +463,7 @@ bool GatheredTensors::walk(PyObject* object, bool take_grad, bool honor_need_cli
     const Py_ssize_t blocks = (count + kWalkBlock - 1) / kWalkBlock;
     at::parallel_for(0, walkers, 1, [&](int64_t walker, int64_t) {
       for (Py_ssize_t b = next_block++; b < blocks && !refused.load(std::memory_order_relaxed); b = next_block++) {
-        if (!walk_items(elements, b * kWalkBlock, std::min(count, (b + 1) * kWalkBlock), rules, out,
-                tallies[walker])) {
+        if (!walk_items(elements, b * kWalkBlock, std::min(count, (b + 1) * kWalkBlock), rules, out, tallies[walker])) {
           refused = true;
         }
       }

@@ -62,8 +62,8 @@ int main(int argc, char** argv) {
                      .typed<std::tuple<at::Tensor, at::Tensor>(at::TensorList, double, bool)>();
   auto clip_op = c10::Dispatcher::singleton()
                      .findSchemaOrThrow("torchclip::clip_grad_norm_", "")
-                     .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(at::TensorList, double, double, bool,
-                         double, bool, c10::string_view)>();
+                     .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(at::TensorList, double, double, bool, double,
+                         bool, c10::string_view)>();
   auto clamp_op = c10::Dispatcher::singleton()
                       .findSchemaOrThrow("torchclip::multi_tensor_clamp_", "")
                       .typed<void(at::TensorList, double, double)>();
@@ -76,7 +76,7 @@ int main(int argc, char** argv) {
       const double got = std::get<0>(norm_op.call(tensors, ord, false)).to(at::kDouble).item<double>();
       const double want = reference_total_norm(tensors, ord);
       expect(std::abs(got - want) <= tolerance * std::abs(want),
-             name + " norm ord=" + std::to_string(ord) + ": " + std::to_string(got) + " vs " + std::to_string(want));
+          name + " norm ord=" + std::to_string(ord) + ": " + std::to_string(got) + " vs " + std::to_string(want));
     }
     {
       auto tensors = sample(dtype);
@@ -86,17 +86,17 @@ int main(int argc, char** argv) {
         expected.push_back(t.to(at::kDouble) * std::min(1.0 / (total + 1e-6), 1.0));
       }
       const double coefficient = std::min(1.0 / (total + 1e-6), 1.0);
-      const auto [clipped_total, norms, kept_coefficient] = clip_op.call(tensors, 1.0, 2.0, false, 1e-6, false,
-          "propagate");
+      const auto [clipped_total, norms, kept_coefficient] =
+          clip_op.call(tensors, 1.0, 2.0, false, 1e-6, false, "propagate");
       bool close = true;
       for (size_t i = 0; i < tensors.size(); ++i) {
         close &= at::allclose(tensors[i].to(at::kDouble), expected[i], tolerance, 1e-7);
       }
       expect(close, name + " clip_grad_norm_ scales every tensor by max_norm / total_norm");
       expect(norms.scalar_type() == at::kDouble && norms.numel() == static_cast<int64_t>(tensors.size()),
-             name + " clip_grad_norm_ returns one float64 norm per tensor");
+          name + " clip_grad_norm_ returns one float64 norm per tensor");
       expect(std::abs(kept_coefficient.item<double>() - coefficient) <= 1e-6 * coefficient,
-             name + " clip_grad_norm_ returns the coefficient it scaled by");
+          name + " clip_grad_norm_ returns the coefficient it scaled by");
     }
     {
       auto tensors = sample(dtype);

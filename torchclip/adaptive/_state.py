@@ -160,18 +160,26 @@ class _ParamRows:
 
     def _claim(self, params: list[Tensor], rows: list, who: str) -> tuple[list[int], list[int]]:
         owned = set(self.owners.values())
-        if self.claimed == self.count and self.last is not None and all(r is None for r in rows) \
-                and owned.isdisjoint(self.last):
+        if (
+            self.claimed == self.count
+            and self.last is not None
+            and all(r is None for r in rows)
+            and owned.isdisjoint(self.last)
+        ):
             if not self.warned:
                 self.warned = True
-                warnings.warn(f"{who}: every parameter this call names is a new object and none of the last "
-                              f"call's is alive (e.g. pairs built from p.detach(), or functional training), so no "
-                              f"parameter can be told across calls: per-parameter state goes by position in the "
-                              f"list while the count and shapes match the last call's, and starts anew where they "
-                              f"differ. Name the parameters themselves (model.parameters(), or [(p, p.grad) for p "
-                              f"in model.parameters()]) to keep it per parameter", stacklevel=6)
+                warnings.warn(
+                    f"{who}: every parameter this call names is a new object and none of the last "
+                    f"call's is alive (e.g. pairs built from p.detach(), or functional training), so no "
+                    f"parameter can be told across calls: per-parameter state goes by position in the "
+                    f"list while the count and shapes match the last call's, and starts anew where they "
+                    f"differ. Name the parameters themselves (model.parameters(), or [(p, p.grad) for p "
+                    f"in model.parameters()]) to keep it per parameter",
+                    stacklevel=6,
+                )
             if len(params) == len(self.last) and all(
-                    tuple(p.shape) == self.shapes[r] for p, r in zip(params, self.last)):
+                tuple(p.shape) == self.shapes[r] for p, r in zip(params, self.last)
+            ):
                 for p, r in zip(params, self.last):
                     self.owners[p] = r
                 return list(self.last), []
@@ -233,8 +241,10 @@ class _NonfiniteGate:
         if refused and self.nonfinite == "raise":
             bad = int(torch.nonzero(~torch.isfinite(norms.reshape(-1)))[0])
             what = "the global norm" if norms.dim() == 0 else f"the norm of gradient {bad} (of {norms.numel()})"
-            raise RuntimeError(f"{type(self).__name__}: {what} is {norms.reshape(-1)[bad].item()}, so it cannot be "
-                               f"clipped (nonfinite='raise'); no gradient or statistic was changed")
+            raise RuntimeError(
+                f"{type(self).__name__}: {what} is {norms.reshape(-1)[bad].item()}, so it cannot be "
+                f"clipped (nonfinite='raise'); no gradient or statistic was changed"
+            )
         self._record(norms)
         return not refused
 
@@ -255,8 +265,9 @@ class _StatefulClip(_NonfiniteGate, ClipGradBase):
         first = next((p.grad for p in params if isinstance(p, Tensor) and p.grad is not None), None)
         if first is None or first.device.type != "cpu":
             return None
-        found = _ops.clip_grad_norm_of_plain(params, max_norm, 2.0, False, eps=eps, honor_need_clip=True,
-                                             nonfinite=nonfinite, keep_stats=True)
+        found = _ops.clip_grad_norm_of_plain(
+            params, max_norm, 2.0, False, eps=eps, honor_need_clip=True, nonfinite=nonfinite, keep_stats=True
+        )
         return None if found is None else (found[1], torch.linalg.vector_norm(found[1], 2.0))
 
     @staticmethod
@@ -282,5 +293,3 @@ class _StatefulClip(_NonfiniteGate, ClipGradBase):
         rows, reclaimed = self._rows.rows_of(params, type(self).__name__)
         self._fit_rows(self._rows.count, reclaimed, device)  # the clip's own: grow to count rows, clear reclaimed
         return rows
-
-

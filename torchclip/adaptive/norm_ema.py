@@ -53,8 +53,15 @@ class ClipGradByNormEMA(_StatefulClip):
     the host (on a GPU, a sync).
     """
 
-    def __init__(self, lambda_rel: float = 1.05, beta: float = 0.98, warmup_steps: int = 100,
-                 lambda_abs: float = 1.0, *, nonfinite: str = "propagate"):
+    def __init__(
+        self,
+        lambda_rel: float = 1.05,
+        beta: float = 0.98,
+        warmup_steps: int = 100,
+        lambda_abs: float = 1.0,
+        *,
+        nonfinite: str = "propagate",
+    ):
         self.lambda_rel = _check_positive("lambda_rel", lambda_rel)
         self.beta = _check_fraction("beta", beta, low_open=False, high_open=True)
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int):
@@ -120,7 +127,7 @@ class ClipGradByNormEMA(_StatefulClip):
         self._rows = _ParamRows(rows)
 
     def __repr__(self):
-        return (f"{type(self).__name__}(lambda_rel={self.lambda_rel}, beta={self.beta}, "
-                f"warmup_steps={self.warmup_steps}, lambda_abs={self.lambda_abs})")
-
-
+        return (
+            f"{type(self).__name__}(lambda_rel={self.lambda_rel}, beta={self.beta}, "
+            f"warmup_steps={self.warmup_steps}, lambda_abs={self.lambda_abs})"
+        )

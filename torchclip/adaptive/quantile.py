@@ -85,8 +85,15 @@ class ClipGradByQuantile(_StatefulClip):
     a sync).
     """
 
-    def __init__(self, quantile: float = 0.9, history_length: int = 1000, global_threshold: bool = False, *,
-                 nonfinite: str = "propagate", process_group=None):
+    def __init__(
+        self,
+        quantile: float = 0.9,
+        history_length: int = 1000,
+        global_threshold: bool = False,
+        *,
+        nonfinite: str = "propagate",
+        process_group=None,
+    ):
         self.quantile = _check_fraction("quantile", quantile, low_open=False, high_open=False)
         self.history_length = _check_count("history_length", history_length)
         if not isinstance(global_threshold, bool):
@@ -94,8 +101,10 @@ class ClipGradByQuantile(_StatefulClip):
         self.global_threshold = global_threshold
         self.nonfinite = _policy(nonfinite)
         if process_group is not None and not global_threshold:
-            raise ValueError("ClipGradByQuantile: process_group needs global_threshold=True (a per-parameter history "
-                             "needs each parameter's whole gradient, which hand shards split across ranks)")
+            raise ValueError(
+                "ClipGradByQuantile: process_group needs global_threshold=True (a per-parameter history "
+                "needs each parameter's whole gradient, which hand shards split across ranks)"
+            )
         self.process_group = process_group
         # One row per history (one in global mode; per parameter, see _ParamRows, otherwise), NaN where
         # nothing was recorded yet; counts[row] on the host: how many norms the row has seen.
@@ -175,13 +184,14 @@ class ClipGradByQuantile(_StatefulClip):
 
     def _host_window(self) -> _SortedWindow:
         if self._window is None:
-            self._window = _SortedWindow(self.history[0, :min(self.counts[0], self.history_length)].tolist())
+            self._window = _SortedWindow(self.history[0, : min(self.counts[0], self.history_length)].tolist())
         return self._window
 
     def _fit_rows(self, count: int, reclaimed: list[int], device) -> None:
         if count > self.history.shape[0]:
-            grow = torch.full((count - self.history.shape[0], self.history_length), math.nan,
-                              dtype=torch.float64, device=device)
+            grow = torch.full(
+                (count - self.history.shape[0], self.history_length), math.nan, dtype=torch.float64, device=device
+            )
             self.history = torch.cat([self.history, grow])
             self.counts += [0] * grow.shape[0]
         if reclaimed:
@@ -241,7 +251,7 @@ class ClipGradByQuantile(_StatefulClip):
         self._rows = _ParamRows(rows)
 
     def __repr__(self):
-        return (f"{type(self).__name__}(quantile={self.quantile}, history_length={self.history_length}, "
-                f"global_threshold={self.global_threshold})")
-
-
+        return (
+            f"{type(self).__name__}(quantile={self.quantile}, history_length={self.history_length}, "
+            f"global_threshold={self.global_threshold})"
+        )

@@ -36,8 +36,15 @@ class SkipStepOnSpike(_StatefulClip):
     per call on the host (on a GPU, a sync, also on a fused optimizer).
     """
 
-    def __init__(self, clip: ClipGradBase | None = None, window: int = 128, sigma_factor: float = 6.0, *,
-                 nonfinite: str = "propagate", process_group=None):
+    def __init__(
+        self,
+        clip: ClipGradBase | None = None,
+        window: int = 128,
+        sigma_factor: float = 6.0,
+        *,
+        nonfinite: str = "propagate",
+        process_group=None,
+    ):
         if clip is not None and not isinstance(clip, ClipGradBase):
             raise TypeError(f"clip must be a torchclip clip (e.g. ClipGradByGlobalNorm) or None, got {clip!r}")
         self.clip = clip
@@ -94,5 +101,3 @@ class SkipStepOnSpike(_StatefulClip):
 
     def __repr__(self):
         return f"{type(self).__name__}(clip={self.clip!r}, window={self.window}, sigma_factor={self.sigma_factor})"
-
-

@@ -35,8 +35,9 @@ class ClipGradByUnitwiseNorm(_NonfiniteGate, ClipGradBase):
     raises a RuntimeError before any change.
     """
 
-    def __init__(self, clip_factor: float = 0.01, eps: float = 1e-3, norm_type: float = 2.0, *,
-                 nonfinite: str = "propagate"):
+    def __init__(
+        self, clip_factor: float = 0.01, eps: float = 1e-3, norm_type: float = 2.0, *, nonfinite: str = "propagate"
+    ):
         self.clip_factor = _check_positive("clip_factor", clip_factor)
         self.eps = _check_positive("eps", eps, allow_zero=True)
         if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
@@ -57,8 +58,10 @@ class ClipGradByUnitwiseNorm(_NonfiniteGate, ClipGradBase):
             return
         for p, g in zip(params, grads):
             if g.shape != p.shape:
-                raise ValueError(f"ClipGradByUnitwiseNorm: a gradient of shape {tuple(g.shape)} belongs to a "
-                                 f"parameter of shape {tuple(p.shape)}")
+                raise ValueError(
+                    f"ClipGradByUnitwiseNorm: a gradient of shape {tuple(g.shape)} belongs to a "
+                    f"parameter of shape {tuple(p.shape)}"
+                )
         for p, g in zip(params, grads):
             max_norm = _unit_norms(p, self.norm_type).clamp(min=self.eps) * self.clip_factor
             grad_norm = _unit_norms(g, self.norm_type)

@@ -54,10 +54,21 @@ class ClipGradByZScore(_StatefulClip):
     a sync).
     """
 
-    def __init__(self, alpha: float = 0.97, z_thresh: float = 2.5, max_grad_norm: float | None = 1.0,
-                 eps: float = 1e-6, warmup_steps: int = 25, mode: str = "zscore",
-                 clip_option: str = "adaptive_scaling", clip_factor: float = 1.0,
-                 skip_update_on_spike: bool = False, *, nonfinite: str = "propagate", process_group=None):
+    def __init__(
+        self,
+        alpha: float = 0.97,
+        z_thresh: float = 2.5,
+        max_grad_norm: float | None = 1.0,
+        eps: float = 1e-6,
+        warmup_steps: int = 25,
+        mode: str = "zscore",
+        clip_option: str = "adaptive_scaling",
+        clip_factor: float = 1.0,
+        skip_update_on_spike: bool = False,
+        *,
+        nonfinite: str = "propagate",
+        process_group=None,
+    ):
         self.alpha = _check_fraction("alpha", alpha, low_open=True, high_open=True)
         self.z_thresh = _check_positive("z_thresh", z_thresh)
         self.max_grad_norm = None if max_grad_norm is None else _check_positive("max_grad_norm", max_grad_norm)
@@ -135,8 +146,9 @@ class ClipGradByZScore(_StatefulClip):
         if norm.device.type != "cpu":
             coefficient, self.mean, self.var = self._zclip_rule(norm, self.mean, self.var, torch.where)
             return coefficient
-        coefficient, mean, var = self._zclip_rule(norm.item(), self.mean.item(), self.var.item(),
-                                                  lambda c, a, b: a if c else b)
+        coefficient, mean, var = self._zclip_rule(
+            norm.item(), self.mean.item(), self.var.item(), lambda c, a, b: a if c else b
+        )
         self.mean = torch.tensor(mean, dtype=torch.float64)
         self.var = torch.tensor(var, dtype=torch.float64)
         return torch.tensor(coefficient, dtype=torch.float64)
@@ -144,7 +156,7 @@ class ClipGradByZScore(_StatefulClip):
     def _zclip_rule(self, norm, mean, var, where):
         """(coefficient, new mean, new var) from the norm and the statistics: all Python floats, or all
         0-d tensors with torch.where as `where`. The reference's order of operations, term by term."""
-        std = var ** 0.5
+        std = var**0.5
         if self.mode == "percentile":
             threshold = mean + self.z_thresh * std
             spike = norm > threshold
@@ -157,8 +169,11 @@ class ClipGradByZScore(_StatefulClip):
                 threshold = mean
         observed = where(spike, threshold, norm)
         # min(observed, max_grad_norm) with the reference's NaN rule: a NaN observed value stays NaN.
-        target = observed if self.max_grad_norm is None else where(self.max_grad_norm < observed,
-                                                                   self.max_grad_norm, observed)
+        target = (
+            observed
+            if self.max_grad_norm is None
+            else where(self.max_grad_norm < observed, self.max_grad_norm, observed)
+        )
         coefficient = where(norm > target, target / (norm + _COEFFICIENT_EPS), 1.0)
         new_mean = self.alpha * mean + (1 - self.alpha) * observed
         new_var = self.alpha * var + (1 - self.alpha) * (observed - new_mean) ** 2
@@ -168,12 +183,17 @@ class ClipGradByZScore(_StatefulClip):
 
     def state_dict(self) -> dict[str, Tensor]:
         """The statistics and the step count, as tensors (torch.load(..., weights_only=True) reads it)."""
-        return {"steps": torch.tensor(self.steps, dtype=torch.int64), "warmup_norms": self.warmup_norms.clone(),
-                "mean": self.mean.clone(), "var": self.var.clone()}
+        return {
+            "steps": torch.tensor(self.steps, dtype=torch.int64),
+            "warmup_norms": self.warmup_norms.clone(),
+            "mean": self.mean.clone(),
+            "var": self.var.clone(),
+        }
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        _check_state(type(self).__name__, state,
-                     {"steps": (), "warmup_norms": (self.warmup_steps,), "mean": (), "var": ()})
+        _check_state(
+            type(self).__name__, state, {"steps": (), "warmup_norms": (self.warmup_steps,), "mean": (), "var": ()}
+        )
         device = self.mean.device
         self.steps = int(state["steps"])
         self.warmup_norms = state["warmup_norms"].to(device, torch.float64, copy=True)
@@ -181,8 +201,8 @@ class ClipGradByZScore(_StatefulClip):
         self.var = state["var"].to(device, torch.float64, copy=True)
 
     def __repr__(self):
-        return (f"{type(self).__name__}(alpha={self.alpha}, z_thresh={self.z_thresh}, "
-                f"max_grad_norm={self.max_grad_norm}, warmup_steps={self.warmup_steps}, mode={self.mode!r}, "
-                f"clip_option={self.clip_option!r})")
-
-
+        return (
+            f"{type(self).__name__}(alpha={self.alpha}, z_thresh={self.z_thresh}, "
+            f"max_grad_norm={self.max_grad_norm}, warmup_steps={self.warmup_steps}, mode={self.mode!r}, "
+            f"clip_option={self.clip_option!r})"
+        )

@@ -42,8 +42,15 @@ from torchclip.bench.timing import Grads, balanced_orders, format_columns, inter
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_WORKLOADS = ["gpt2_124m", "resnet50", "2000x64x64", "10000x100"]
 QUICK_WORKLOADS = ["mobilenet_v3_small", "2000x64x64", "10000x100"]
-OPS = ["clip_grad_norm_ (no clip)", "clip_grad_norm_ (clip)", "get_total_norm", "clip_grad_value_",
-       "ClipGradByGlobalNorm (clip)", "ClipGradByNorm", "ClipGradByValue"]
+OPS = [
+    "clip_grad_norm_ (no clip)",
+    "clip_grad_norm_ (clip)",
+    "get_total_norm",
+    "clip_grad_value_",
+    "ClipGradByGlobalNorm (clip)",
+    "ClipGradByNorm",
+    "ClipGradByValue",
+]
 
 
 @dataclass
@@ -98,37 +105,56 @@ class ClipTarget:
 def candidates_for(op, g: Grads, as_generators=False) -> Candidates:
     flat = g.flat
     if as_generators:  # a new one per call: a generator is spent once read
+
         def params():
             return (p for p in g.params)
 
         def grads():
             return (t for t in g.grads)
     else:
+
         def params():
             return g.params
 
         def grads():
             return g.grads
+
     norm_bound = lambda: flat.sum()
     norm_scale_bound = lambda: (flat.sum(), flat.mul_(1.0))
     if op == "clip_grad_norm_ (no clip)":
-        return Candidates(lambda: torch.nn.utils.clip_grad_norm_(params(), 1e30),
-                          lambda: torch.nn.utils.clip_grad_norm_(params(), 1e30, foreach=False),
-                          lambda: torchclip.clip_grad_norm_(params(), 1e30), norm_bound, 1)
+        return Candidates(
+            lambda: torch.nn.utils.clip_grad_norm_(params(), 1e30),
+            lambda: torch.nn.utils.clip_grad_norm_(params(), 1e30, foreach=False),
+            lambda: torchclip.clip_grad_norm_(params(), 1e30),
+            norm_bound,
+            1,
+        )
     if op == "clip_grad_norm_ (clip)":
         max_norm = ClipTarget(g.grads)
-        return Candidates(lambda: torch.nn.utils.clip_grad_norm_(params(), max_norm()),
-                          lambda: torch.nn.utils.clip_grad_norm_(params(), max_norm(), foreach=False),
-                          lambda: torchclip.clip_grad_norm_(params(), max_norm()), norm_scale_bound, 3,
-                          max_norm.prepare)
+        return Candidates(
+            lambda: torch.nn.utils.clip_grad_norm_(params(), max_norm()),
+            lambda: torch.nn.utils.clip_grad_norm_(params(), max_norm(), foreach=False),
+            lambda: torchclip.clip_grad_norm_(params(), max_norm()),
+            norm_scale_bound,
+            3,
+            max_norm.prepare,
+        )
     if op == "get_total_norm":
-        return Candidates(lambda: torch.nn.utils.get_total_norm(grads()),
-                          lambda: torch.nn.utils.get_total_norm(grads(), foreach=False),
-                          lambda: torchclip.get_total_norm(grads()), norm_bound, 1)
+        return Candidates(
+            lambda: torch.nn.utils.get_total_norm(grads()),
+            lambda: torch.nn.utils.get_total_norm(grads(), foreach=False),
+            lambda: torchclip.get_total_norm(grads()),
+            norm_bound,
+            1,
+        )
     if op == "clip_grad_value_":
-        return Candidates(lambda: torch.nn.utils.clip_grad_value_(params(), 0.5),
-                          lambda: torch.nn.utils.clip_grad_value_(params(), 0.5, foreach=False),
-                          lambda: torchclip.clip_grad_value_(params(), 0.5), lambda: flat.clamp_(-0.5, 0.5), 2)
+        return Candidates(
+            lambda: torch.nn.utils.clip_grad_value_(params(), 0.5),
+            lambda: torch.nn.utils.clip_grad_value_(params(), 0.5, foreach=False),
+            lambda: torchclip.clip_grad_value_(params(), 0.5),
+            lambda: flat.clamp_(-0.5, 0.5),
+            2,
+        )
     if op == "ClipGradByGlobalNorm (clip)":
         # torch has no class: its equivalent is clip_grad_norm_ (the formulas differ only by eps).
         max_norm = ClipTarget(g.grads)
@@ -138,29 +164,52 @@ def candidates_for(op, g: Grads, as_generators=False) -> Candidates:
             clip.clip_norm = max_norm()
             clip(params())
 
-        return Candidates(lambda: torch.nn.utils.clip_grad_norm_(params(), max_norm()),
-                          lambda: torch.nn.utils.clip_grad_norm_(params(), max_norm(), foreach=False),
-                          paddle_style, norm_scale_bound, 3, max_norm.prepare)
+        return Candidates(
+            lambda: torch.nn.utils.clip_grad_norm_(params(), max_norm()),
+            lambda: torch.nn.utils.clip_grad_norm_(params(), max_norm(), foreach=False),
+            paddle_style,
+            norm_scale_bound,
+            3,
+            max_norm.prepare,
+        )
     if op == "ClipGradByNorm":
         # In torch, per-tensor norm clipping is clip_grad_norm_ called once per tensor. The clip norm
         # is the median tensor norm: about half the tensors are clipped on the first call.
         norms = sorted(torchclip.get_total_norm(t).item() for t in g.grads)
         clip_norm = norms[len(norms) // 2] or 1.0
         clip = torchclip.ClipGradByNorm(clip_norm)
-        return Candidates(lambda: [torch.nn.utils.clip_grad_norm_(p, clip_norm) for p in params()],
-                          lambda: [torch.nn.utils.clip_grad_norm_(p, clip_norm, foreach=False) for p in params()],
-                          lambda: clip(params()), norm_bound, 1)
+        return Candidates(
+            lambda: [torch.nn.utils.clip_grad_norm_(p, clip_norm) for p in params()],
+            lambda: [torch.nn.utils.clip_grad_norm_(p, clip_norm, foreach=False) for p in params()],
+            lambda: clip(params()),
+            norm_bound,
+            1,
+        )
     if op == "ClipGradByValue":
         clip = torchclip.ClipGradByValue(0.5, -0.25)
         # What a torch user writes for it works on the list of gradients, however the parameters came.
-        return Candidates(lambda: (torch._foreach_clamp_min_(g.grads, -0.25), torch._foreach_clamp_max_(g.grads, 0.5)),
-                          lambda: [t.clamp_(-0.25, 0.5) for t in g.grads],
-                          lambda: clip(params()), lambda: flat.clamp_(-0.25, 0.5), 2)
+        return Candidates(
+            lambda: (torch._foreach_clamp_min_(g.grads, -0.25), torch._foreach_clamp_max_(g.grads, 0.5)),
+            lambda: [t.clamp_(-0.25, 0.5) for t in g.grads],
+            lambda: clip(params()),
+            lambda: flat.clamp_(-0.25, 0.5),
+            2,
+        )
     raise ValueError(op)
 
 
-def run(workload_names, dtype_names, thread_counts, ops, rounds, warmup, progress, device="cpu", separate=False,
-        as_generators=False):
+def run(
+    workload_names,
+    dtype_names,
+    thread_counts,
+    ops,
+    rounds,
+    warmup,
+    progress,
+    device="cpu",
+    separate=False,
+    as_generators=False,
+):
     rows = []
     sync = torch.cuda.synchronize if device == "cuda" else no_sync
     jobs = [(w, d, t) for w in workload_names for d in dtype_names for t in thread_counts]
@@ -175,11 +224,28 @@ def run(workload_names, dtype_names, thread_counts, ops, rounds, warmup, progres
             c = candidates_for(op, g, as_generators)
             timed_fns = [c.torch, c.torch_no_foreach, c.torchclip, c.bound]
             (t_torch, s1), (t_no_foreach, s2), (t_clip, s3), (t_bound, s4) = interleave(
-                timed_fns, rounds, warmup, c.prepare, sync)
+                timed_fns, rounds, warmup, c.prepare, sync
+            )
             bytes_moved = g.flat.numel() * g.flat.element_size() * c.passes
-            rows.append(Row(op, label, dtype_name, threads, len(shape_list), g.flat.numel(), t_torch, t_no_foreach,
-                            t_clip, t_bound, t_torch / t_clip, t_clip / t_bound, bytes_moved / t_clip / 1e6,
-                            max(s1, s2, s3, s4), device))
+            rows.append(
+                Row(
+                    op,
+                    label,
+                    dtype_name,
+                    threads,
+                    len(shape_list),
+                    g.flat.numel(),
+                    t_torch,
+                    t_no_foreach,
+                    t_clip,
+                    t_bound,
+                    t_torch / t_clip,
+                    t_clip / t_bound,
+                    bytes_moved / t_clip / 1e6,
+                    max(s1, s2, s3, s4),
+                    device,
+                )
+            )
             g.reset()
         del g
     progress(total_steps, total_steps, None)
@@ -187,12 +253,41 @@ def run(workload_names, dtype_names, thread_counts, ops, rounds, warmup, progres
 
 
 def format_table(rows) -> str:
-    header = ["workload", "dtype", "thr", "op", "torch ms", "no-foreach ms", "torchclip ms", "bound ms", "speed-up",
-              "x bound", "GB/s", "spread"]
-    return format_columns(header, [
-        [r.workload, r.dtype, str(r.threads), r.op, f"{r.torch_ms:.3f}", f"{r.torch_no_foreach_ms:.3f}",
-         f"{r.torchclip_ms:.3f}", f"{r.bound_ms:.3f}", f"{r.speedup:.1f}x", f"{r.bound_ratio:.2f}", f"{r.gbps:.1f}",
-         f"{100 * r.spread:.0f}%"] for r in rows], left=4)
+    header = [
+        "workload",
+        "dtype",
+        "thr",
+        "op",
+        "torch ms",
+        "no-foreach ms",
+        "torchclip ms",
+        "bound ms",
+        "speed-up",
+        "x bound",
+        "GB/s",
+        "spread",
+    ]
+    return format_columns(
+        header,
+        [
+            [
+                r.workload,
+                r.dtype,
+                str(r.threads),
+                r.op,
+                f"{r.torch_ms:.3f}",
+                f"{r.torch_no_foreach_ms:.3f}",
+                f"{r.torchclip_ms:.3f}",
+                f"{r.bound_ms:.3f}",
+                f"{r.speedup:.1f}x",
+                f"{r.bound_ratio:.2f}",
+                f"{r.gbps:.1f}",
+                f"{100 * r.spread:.0f}%",
+            ]
+            for r in rows
+        ],
+        left=4,
+    )
 
 
 def make_progress(enabled):
@@ -204,7 +299,7 @@ def make_progress(enabled):
         width = 24
         filled = width * done // max(total, 1)
         line = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {message or 'done'}"
-        sys.stderr.write("\r\033[K" + line[:shutil.get_terminal_size().columns - 1])
+        sys.stderr.write("\r\033[K" + line[: shutil.get_terminal_size().columns - 1])
         if message is None:
             sys.stderr.write("\n")
         sys.stderr.flush()
@@ -214,31 +309,60 @@ def make_progress(enabled):
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="torchclip-bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--workload", action="append",
-                        help=f"a name ({', '.join(workloads.names())}) or a JSON file of shapes; repeatable")
-    parser.add_argument("--model", action="append", metavar="MODULE:CALLABLE",
-                        help="a workload from a model's parameter shapes, built on the meta device "
-                             "(e.g. torchvision.models:resnet50); repeatable")
+    parser.add_argument(
+        "--workload",
+        action="append",
+        help=f"a name ({', '.join(workloads.names())}) or a JSON file of shapes; repeatable",
+    )
+    parser.add_argument(
+        "--model",
+        action="append",
+        metavar="MODULE:CALLABLE",
+        help="a workload from a model's parameter shapes, built on the meta device "
+        "(e.g. torchvision.models:resnet50); repeatable",
+    )
     parser.add_argument("--dtype", action="append", help=f"one of {', '.join(DTYPES)}; repeatable (default float32)")
-    parser.add_argument("--threads", default=str(torch.get_num_threads()),
-                        help="comma list of thread counts (default: all cores)")
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per candidate (default 15; 5 with --quick)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="where the gradients live (default cpu); cuda times the CUDA kernels")
-    parser.add_argument("--grads", choices=["views", "separate"], default="views",
-                        help="gradients as views of one flat buffer (default: DDP buckets, FSDP flat parameters) "
-                             "or each its own allocation (autograd without DDP)")
-    parser.add_argument("--params", choices=["list", "generator"], default="list",
-                        help="what each call receives: a list of the parameters (default) or a fresh generator "
-                             "over them, as training loops pass model.parameters()")
-    parser.add_argument("--step", action="append", metavar="OPTIMIZER",
-                        help=f"instead of the clip rows, what clipping adds to an optimizer step: one of "
-                             f"{', '.join(step.OPTIMIZERS)}; repeatable (default workloads: "
-                             f"{', '.join(step.DEFAULT_WORKLOADS)})")
-    parser.add_argument("--adaptive", action="store_true",
-                        help="instead of the clip rows, the adaptive clips against their reference packages (zclip, "
-                             f"autoclip, timm) and ClipGradByGlobalNorm (default workloads: "
-                             f"{', '.join(adaptive.DEFAULT_WORKLOADS)})")
+    parser.add_argument(
+        "--threads", default=str(torch.get_num_threads()), help="comma list of thread counts (default: all cores)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="timed rounds per candidate (default 15; 5 with --quick)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the gradients live (default cpu); cuda times the CUDA kernels",
+    )
+    parser.add_argument(
+        "--grads",
+        choices=["views", "separate"],
+        default="views",
+        help="gradients as views of one flat buffer (default: DDP buckets, FSDP flat parameters) "
+        "or each its own allocation (autograd without DDP)",
+    )
+    parser.add_argument(
+        "--params",
+        choices=["list", "generator"],
+        default="list",
+        help="what each call receives: a list of the parameters (default) or a fresh generator "
+        "over them, as training loops pass model.parameters()",
+    )
+    parser.add_argument(
+        "--step",
+        action="append",
+        metavar="OPTIMIZER",
+        help=f"instead of the clip rows, what clipping adds to an optimizer step: one of "
+        f"{', '.join(step.OPTIMIZERS)}; repeatable (default workloads: "
+        f"{', '.join(step.DEFAULT_WORKLOADS)})",
+    )
+    parser.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="instead of the clip rows, the adaptive clips against their reference packages (zclip, "
+        f"autoclip, timm) and ClipGradByGlobalNorm (default workloads: "
+        f"{', '.join(adaptive.DEFAULT_WORKLOADS)})",
+    )
     parser.add_argument("--quick", action="store_true", help="small workloads, few rounds: seconds, for CI")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--plot", metavar="PATH", help="also draw speed-up and fraction of the bound (PNG)")
@@ -280,15 +404,29 @@ def main(argv=None) -> int:
     if args.adaptive:
         return main_adaptive(args, rounds)
     names = args.workload or (QUICK_WORKLOADS if args.quick else DEFAULT_WORKLOADS)
-    rows = run(names, args.dtype or ["float32"], args.thread_counts, OPS, rounds, warmup=1 if args.quick else 2,
-               progress=make_progress(sys.stderr.isatty()), device=args.device, separate=args.grads == "separate",
-               as_generators=args.params == "generator")
-    where = (f"GPU: {torch.cuda.get_device_name()}" if args.device == "cuda"
-             else f"CPU kernels: {torchclip.get_cpu_capability()}")
-    header = (f"torchclip {torchclip.__version__} ({where}), "
-              f"torch {torch.__version__}, {os.cpu_count()} CPUs; medians of {rounds} interleaved rounds; "
-              f"gradients: {'separate allocations' if args.grads == 'separate' else 'views of one buffer'}; "
-              f"parameters passed as a {args.params}")
+    rows = run(
+        names,
+        args.dtype or ["float32"],
+        args.thread_counts,
+        OPS,
+        rounds,
+        warmup=1 if args.quick else 2,
+        progress=make_progress(sys.stderr.isatty()),
+        device=args.device,
+        separate=args.grads == "separate",
+        as_generators=args.params == "generator",
+    )
+    where = (
+        f"GPU: {torch.cuda.get_device_name()}"
+        if args.device == "cuda"
+        else f"CPU kernels: {torchclip.get_cpu_capability()}"
+    )
+    header = (
+        f"torchclip {torchclip.__version__} ({where}), "
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs; medians of {rounds} interleaved rounds; "
+        f"gradients: {'separate allocations' if args.grads == 'separate' else 'views of one buffer'}; "
+        f"parameters passed as a {args.params}"
+    )
     table = format_table(rows)
     print(header)
     print(table)
@@ -300,18 +438,38 @@ def main(argv=None) -> int:
             f.write(report.markdown_page(rows, table, header, command, args.plot))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "cpu_capability": torchclip.get_cpu_capability(), "device": args.device,
-                       "grads": args.grads, "params": args.params, "rows": [asdict(r) for r in rows]}, f, indent=1)
+            json.dump(
+                {
+                    "torch": torch.__version__,
+                    "cpu_capability": torchclip.get_cpu_capability(),
+                    "device": args.device,
+                    "grads": args.grads,
+                    "params": args.params,
+                    "rows": [asdict(r) for r in rows],
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 
 def main_step(args, rounds) -> int:
     """--step: what clipping adds to optimizer steps (torchclip/bench/step.py)."""
     names = args.workload or (QUICK_WORKLOADS if args.quick else step.DEFAULT_WORKLOADS)
-    rows = step.run(args.step, names, {d: DTYPES[d] for d in args.dtype or ["float32"]}, args.thread_counts, rounds,
-                    warmup=1 if args.quick else 2, progress=make_progress(sys.stderr.isatty()), device=args.device)
-    header = (f"torchclip {torchclip.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, device "
-              f"{args.device}; medians of {rounds} interleaved rounds; added = (clip + step - step) / get_total_norm")
+    rows = step.run(
+        args.step,
+        names,
+        {d: DTYPES[d] for d in args.dtype or ["float32"]},
+        args.thread_counts,
+        rounds,
+        warmup=1 if args.quick else 2,
+        progress=make_progress(sys.stderr.isatty()),
+        device=args.device,
+    )
+    header = (
+        f"torchclip {torchclip.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, device "
+        f"{args.device}; medians of {rounds} interleaved rounds; added = (clip + step - step) / get_total_norm"
+    )
     table = step.format_table(rows)
     print(header)
     print(table)
@@ -321,25 +479,38 @@ def main_step(args, rounds) -> int:
             f.write(report.step_markdown_page(table, header, command))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "device": args.device, "step_rows": [asdict(r) for r in rows]}, f,
-                      indent=1)
+            json.dump(
+                {"torch": torch.__version__, "device": args.device, "step_rows": [asdict(r) for r in rows]}, f, indent=1
+            )
     return 0
 
 
 def main_adaptive(args, rounds) -> int:
     """--adaptive: the adaptive clips against their references (torchclip/bench/adaptive.py)."""
     names = args.workload or (QUICK_WORKLOADS if args.quick else adaptive.DEFAULT_WORKLOADS)
-    rows = adaptive.run(adaptive.CLIPS, names, {d: DTYPES[d] for d in args.dtype or ["float32"]}, args.thread_counts,
-                        rounds, warmup=1 if args.quick else 2, progress=make_progress(sys.stderr.isatty()),
-                        device=args.device)
-    print(f"torchclip {torchclip.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, device {args.device}; "
-          f"medians of {rounds} interleaved rounds; x GlobalNorm = torchclip / ClipGradByGlobalNorm, x bound = "
-          f"torchclip / one read of the gradients (and of the weights, for ClipGradByUnitwiseNorm)")
+    rows = adaptive.run(
+        adaptive.CLIPS,
+        names,
+        {d: DTYPES[d] for d in args.dtype or ["float32"]},
+        args.thread_counts,
+        rounds,
+        warmup=1 if args.quick else 2,
+        progress=make_progress(sys.stderr.isatty()),
+        device=args.device,
+    )
+    print(
+        f"torchclip {torchclip.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, device {args.device}; "
+        f"medians of {rounds} interleaved rounds; x GlobalNorm = torchclip / ClipGradByGlobalNorm, x bound = "
+        f"torchclip / one read of the gradients (and of the weights, for ClipGradByUnitwiseNorm)"
+    )
     print(adaptive.format_table(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "device": args.device, "adaptive_rows": [asdict(r) for r in rows]},
-                      f, indent=1)
+            json.dump(
+                {"torch": torch.__version__, "device": args.device, "adaptive_rows": [asdict(r) for r in rows]},
+                f,
+                indent=1,
+            )
     return 0
 
 

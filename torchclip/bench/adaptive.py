@@ -133,28 +133,74 @@ def new_steps(grads):
 def run(clip_names, workload_names, dtypes, thread_counts, rounds, warmup, progress, device="cpu"):
     sync = torch.cuda.synchronize if device == "cuda" else no_sync
     rows = []
-    for clip_name, label, dtype_name, threads, grads in each_job(clip_names, workload_names, dtypes, thread_counts,
-                                                                 progress, device):
-        weights = torch.randn(grads.flat.numel(), generator=torch.Generator().manual_seed(1)).to(device, grads.flat.dtype)
+    for clip_name, label, dtype_name, threads, grads in each_job(
+        clip_names, workload_names, dtypes, thread_counts, progress, device
+    ):
+        weights = torch.randn(grads.flat.numel(), generator=torch.Generator().manual_seed(1)).to(
+            device, grads.flat.dtype
+        )
         weights.mul_(0.02)
         for p, w in zip(grads.params, torch.split(weights, [p.numel() for p in grads.params])):
             p.data = w.view(p.shape)
         fns, reference = candidates(clip_name, grads, weights)
-        timings = interleave(fns if reference is None else [*fns, reference], rounds, warmup, new_steps(grads),
-                             sync)
+        timings = interleave(fns if reference is None else [*fns, reference], rounds, warmup, new_steps(grads), sync)
         (t_ours, _), (t_global, _), (t_bound, _) = timings[:3]
         t_reference = timings[3][0] if reference is not None else math.nan
-        rows.append(AdaptiveRow(clip_name, label, dtype_name, threads, len(grads.params), grads.flat.numel(),
-                                t_reference, t_ours, t_global, t_bound, t_reference / t_ours, t_ours / t_global,
-                                t_ours / t_bound, max(spread for _, spread in timings), device))
+        rows.append(
+            AdaptiveRow(
+                clip_name,
+                label,
+                dtype_name,
+                threads,
+                len(grads.params),
+                grads.flat.numel(),
+                t_reference,
+                t_ours,
+                t_global,
+                t_bound,
+                t_reference / t_ours,
+                t_ours / t_global,
+                t_ours / t_bound,
+                max(spread for _, spread in timings),
+                device,
+            )
+        )
     return rows
 
 
 def format_table(rows) -> str:
-    header = ["clip", "workload", "dtype", "thr", "reference ms", "torchclip ms", "GlobalNorm ms", "bound ms",
-              "speed-up", "x GlobalNorm", "x bound", "spread"]
-    return format_columns(header, [
-        [r.clip, r.workload, r.dtype, str(r.threads), "" if math.isnan(r.reference_ms) else f"{r.reference_ms:.3f}",
-         f"{r.torchclip_ms:.3f}", f"{r.global_norm_ms:.3f}", f"{r.bound_ms:.3f}",
-         "" if math.isnan(r.speedup) else f"{r.speedup:.1f}x", f"{r.global_norm_ratio:.2f}", f"{r.bound_ratio:.2f}",
-         f"{100 * r.spread:.0f}%"] for r in rows], left=4)
+    header = [
+        "clip",
+        "workload",
+        "dtype",
+        "thr",
+        "reference ms",
+        "torchclip ms",
+        "GlobalNorm ms",
+        "bound ms",
+        "speed-up",
+        "x GlobalNorm",
+        "x bound",
+        "spread",
+    ]
+    return format_columns(
+        header,
+        [
+            [
+                r.clip,
+                r.workload,
+                r.dtype,
+                str(r.threads),
+                "" if math.isnan(r.reference_ms) else f"{r.reference_ms:.3f}",
+                f"{r.torchclip_ms:.3f}",
+                f"{r.global_norm_ms:.3f}",
+                f"{r.bound_ms:.3f}",
+                "" if math.isnan(r.speedup) else f"{r.speedup:.1f}x",
+                f"{r.global_norm_ratio:.2f}",
+                f"{r.bound_ratio:.2f}",
+                f"{100 * r.spread:.0f}%",
+            ]
+            for r in rows
+        ],
+        left=4,
+    )

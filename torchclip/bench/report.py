@@ -87,19 +87,24 @@ def markdown_page(rows, table: str, header: str, command: str, plot_path: str | 
 
 def step_markdown_page(table: str, header: str, command: str) -> str:
     """The page of torchclip-bench --step: what clipping adds to an optimizer step."""
-    return "\n".join([
-        "# What clipping adds to an optimizer step",
-        "",
-        f"Regenerate with `{command}` (from the repository root). Generated {datetime.date.today().isoformat()}.",
-        "",
-        f"- machine: {machine_description()}",
-        f"- {header}",
-        "",
-        "Columns: step ms is the optimizer step alone; torch clip+step ms is torch.nn.utils.clip_grad_norm_ then",
-        "the step; torchclip step ms is the step of torchclip.optim's grad_clip=ClipGradByGlobalNorm (folded",
-        "into the fused kernel where the optimizer is fused); get_total_norm ms is one read of the gradients,",
-        "the floor of any norm clip. added (reads) = (clip + step - step) / get_total_norm. Every call clips",
-        "(max_norm is 0.9 x the gradients' norm). The method is in torchclip/bench/step.py.",
-        "",
-        "```", table, "```", "",
-    ])
+    return "\n".join(
+        [
+            "# What clipping adds to an optimizer step",
+            "",
+            f"Regenerate with `{command}` (from the repository root). Generated {datetime.date.today().isoformat()}.",
+            "",
+            f"- machine: {machine_description()}",
+            f"- {header}",
+            "",
+            "Columns: step ms is the optimizer step alone; torch clip+step ms is torch.nn.utils.clip_grad_norm_ then",
+            "the step; torchclip step ms is the step of torchclip.optim's grad_clip=ClipGradByGlobalNorm (folded",
+            "into the fused kernel where the optimizer is fused); get_total_norm ms is one read of the gradients,",
+            "the floor of any norm clip. added (reads) = (clip + step - step) / get_total_norm. Every call clips",
+            "(max_norm is 0.9 x the gradients' norm). The method is in torchclip/bench/step.py.",
+            "",
+            "```",
+            table,
+            "```",
+            "",
+        ]
+    )

@@ -85,22 +85,65 @@ def run(optimizer_names, workload_names, dtypes, thread_counts, rounds, warmup, 
     """One StepRow per optimizer x workload x dtype x thread count; `dtypes` maps names to torch dtypes."""
     sync = torch.cuda.synchronize if device == "cuda" else no_sync
     rows = []
-    for name, label, dtype_name, threads, grads in each_job(optimizer_names, workload_names, dtypes, thread_counts,
-                                                            progress, device):
+    for name, label, dtype_name, threads, grads in each_job(
+        optimizer_names, workload_names, dtypes, thread_counts, progress, device
+    ):
         fns, prepare = candidates(name, grads)
         timings = interleave(fns, rounds, warmup, prepare, sync)
         (t_step, _), (t_torch, _), (t_ours, _), (t_norm, _) = timings
-        rows.append(StepRow(name, label, dtype_name, threads, len(grads.params), grads.flat.numel(), t_step, t_torch,
-                            t_ours, t_norm, (t_torch - t_step) / t_norm, (t_ours - t_step) / t_norm,
-                            max(spread for _, spread in timings), device))
+        rows.append(
+            StepRow(
+                name,
+                label,
+                dtype_name,
+                threads,
+                len(grads.params),
+                grads.flat.numel(),
+                t_step,
+                t_torch,
+                t_ours,
+                t_norm,
+                (t_torch - t_step) / t_norm,
+                (t_ours - t_step) / t_norm,
+                max(spread for _, spread in timings),
+                device,
+            )
+        )
         del grads
     return rows
 
 
 def format_table(rows) -> str:
-    header = ["optimizer", "workload", "dtype", "thr", "step ms", "torch clip+step ms", "torchclip step ms",
-              "get_total_norm ms", "torch added (reads)", "torchclip added (reads)", "spread"]
-    return format_columns(header, [
-        [r.optimizer, r.workload, r.dtype, str(r.threads), f"{r.step_ms:.3f}", f"{r.torch_clip_step_ms:.3f}",
-         f"{r.torchclip_step_ms:.3f}", f"{r.total_norm_ms:.3f}", f"{r.torch_added_reads:.2f}",
-         f"{r.torchclip_added_reads:.2f}", f"{100 * r.spread:.0f}%"] for r in rows], left=4)
+    header = [
+        "optimizer",
+        "workload",
+        "dtype",
+        "thr",
+        "step ms",
+        "torch clip+step ms",
+        "torchclip step ms",
+        "get_total_norm ms",
+        "torch added (reads)",
+        "torchclip added (reads)",
+        "spread",
+    ]
+    return format_columns(
+        header,
+        [
+            [
+                r.optimizer,
+                r.workload,
+                r.dtype,
+                str(r.threads),
+                f"{r.step_ms:.3f}",
+                f"{r.torch_clip_step_ms:.3f}",
+                f"{r.torchclip_step_ms:.3f}",
+                f"{r.total_norm_ms:.3f}",
+                f"{r.torch_added_reads:.2f}",
+                f"{r.torchclip_added_reads:.2f}",
+                f"{100 * r.spread:.0f}%",
+            ]
+            for r in rows
+        ],
+        left=4,
+    )

@@ -109,7 +109,9 @@ def format_columns(header: list[str], lines: list[list[str]], left: int) -> str:
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = []
     for k, line in enumerate(lines):
-        out.append("  ".join(cell.ljust(w) if i < left else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))))
+        out.append(
+            "  ".join(cell.ljust(w) if i < left else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+        )
         if k == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)

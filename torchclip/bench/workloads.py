@@ -18,8 +18,11 @@ SYNTHETIC = {
 
 
 def model_names() -> list[str]:
-    return sorted(p.name[: -len(".json")] for p in resources.files(__package__).joinpath("workloads").iterdir()
-                  if p.name.endswith(".json"))
+    return sorted(
+        p.name[: -len(".json")]
+        for p in resources.files(__package__).joinpath("workloads").iterdir()
+        if p.name.endswith(".json")
+    )
 
 
 def names() -> list[str]:
@@ -73,7 +76,7 @@ def model_shapes(spec: str) -> tuple[str, list[list[int]]]:
 def resolve(workload: str) -> tuple[str, list[list[int]]]:
     """(label, shapes) of a workload name, a JSON file of shapes, or "model:module:callable"."""
     if workload.startswith("model:"):
-        return model_shapes(workload[len("model:"):])
+        return model_shapes(workload[len("model:") :])
     label = os.path.basename(workload)[: -len(".json")] if workload.endswith(".json") else workload
     return label, shapes(workload)
 
