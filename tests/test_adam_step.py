@@ -85,17 +85,21 @@ def test_matches_torchs_fused_step_and_never_writes_gradients(dtype, cpu_capabil
                     assert torch.equal(a, b), (which, n)  # torch's vector arithmetic, bit for bit
 
 
+# One step's arguments (AdamW).
+HYPERPARAMETERS = {
+    "lr": 1e-2,
+    "beta1": 0.9,
+    "beta2": 0.999,
+    "weight_decay": 0.0,
+    "eps": 1e-8,
+    "amsgrad": False,
+    "maximize": False,
+    "decoupled_weight_decay": True,
+}
+
+
 def test_found_inf_leaves_everything_and_zero_steps(cpu_capability):
-    hyperparameters = {
-        "lr": 1e-2,
-        "beta1": 0.9,
-        "beta2": 0.999,
-        "weight_decay": 0.0,
-        "eps": 1e-8,
-        "amsgrad": True,
-        "maximize": False,
-        "decoupled_weight_decay": False,
-    }
+    hyperparameters = {**HYPERPARAMETERS, "amsgrad": True, "decoupled_weight_decay": False}
     ours = state(torch.float32, amsgrad=True)
     before = copies(ours)
     assert _ops.adam_step_(*ours, found_inf=torch.tensor(1.0), **hyperparameters)
@@ -107,18 +111,6 @@ def test_found_inf_leaves_everything_and_zero_steps(cpu_capability):
     for x, y in zip(ours, theirs):
         for a, b in zip(x, y):
             torch.testing.assert_close(a, b, **TOLERANCE[torch.float32])
-
-
-HYPERPARAMETERS = {
-    "lr": 1e-2,
-    "beta1": 0.9,
-    "beta2": 0.999,
-    "weight_decay": 0.0,
-    "eps": 1e-8,
-    "amsgrad": False,
-    "maximize": False,
-    "decoupled_weight_decay": True,
-}
 
 
 @pytest.mark.parametrize(
@@ -224,17 +216,8 @@ def test_a_step_under_inference_mode_bumps_what_it_writes():
     state tensor notices the write, in inference mode too (the ADInplaceOrView kernel)."""
     ours = state(torch.float32, amsgrad=True)
     before = [[t._version for t in tensors] for tensors in ours]
-    hyperparameters = {
-        "lr": 1e-2,
-        "beta1": 0.9,
-        "beta2": 0.999,
-        "weight_decay": 0.0,
-        "eps": 1e-8,
-        "amsgrad": True,
-        "maximize": False,
-    }
     with torch.inference_mode():
-        assert _ops.adam_step_(*ours, decoupled_weight_decay=True, **hyperparameters)
+        assert _ops.adam_step_(*ours, **{**HYPERPARAMETERS, "amsgrad": True})
     for which, tensors in enumerate(ours):
         bumped = [t._version > v for t, v in zip(tensors, before[which])]
         assert all(bumped) if which != 1 else not any(bumped), which  # the gradients are only read

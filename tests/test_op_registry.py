@@ -14,6 +14,9 @@ from test_ops import NEG_CONJ_CASES, OPCHECK_CASES
 from torchclip import _ops
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
+# The tests that read the sources skip where csrc/ is not beside them (./dev test-wheel runs the tests against
+# an installed wheel, from outside the tree).
+NEEDS_SOURCES = pytest.mark.skipif(not CSRC.is_dir(), reason="csrc/ is not beside the tests")
 OPS = sorted(name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("torchclip::"))
 
 
@@ -30,6 +33,7 @@ def writes(name):
     return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
+@NEEDS_SOURCES
 def test_the_ops_are_the_schemas_of_ops_cpp():
     assert OPS and OPS == sorted(re.findall(r'm\.def\(\s*"(\w+)\(', (CSRC / "ops.cpp").read_text()))
 
@@ -50,9 +54,14 @@ def test_op_is_registered_for_every_key(name):
         assert falls_through(name, "Autograd"), "a read-only op falls through Autograd"
 
 
+@NEEDS_SOURCES
 @pytest.mark.parametrize("name", OPS)
-def test_op_has_its_handle_wrapper_and_tests(name):
+def test_op_has_its_handle(name):
     assert f'"torchclip::{name}"' in (CSRC / "op_handles.h").read_text(), "no op_handles.h accessor"
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_op_has_its_wrapper_and_tests(name):
     assert callable(getattr(_ops, name, None)), "no wrapper in torchclip/_ops.py"
     assert name in OPCHECK_CASES, "no OPCHECK_CASES entry (tests/test_ops.py)"
     assert name in NEG_CONJ_CASES, "no NEG_CONJ_CASES entry (tests/test_ops.py)"

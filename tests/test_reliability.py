@@ -106,22 +106,24 @@ def test_the_same_small_gradient_many_times_in_a_long_list(two_threads, cpu_capa
         torch.testing.assert_close(p.grad, q.grad, rtol=CLIP_RTOL[torch.float32], atol=0)
 
 
-@pytest.mark.parametrize("shared", ["none", "the same elements", "all but 64 elements"])
-def test_views_listed_out_of_address_order_with_one_pair_sharing_memory(shared, two_threads, cpu_capability):
-    """The overlap check merges runs of ranges in address order: here ~100 runs, the shared pair far apart."""
-    generator = torch.Generator().manual_seed(2)
-    count, size = 200, 5000
-    buffer = torch.randn(count * size + 64, generator=generator) * 0.01
+VIEW = 5000  # elements per view below: 200 of them split across two threads
+
+
+def views_out_of_order(seed):
+    """Two copies of 200 adjacent views of one buffer (64 elements to spare), listed in a random order:
+    ~100 runs in address order for the overlap check to merge. Each copy: (buffer, views, the order)."""
+    generator = torch.Generator().manual_seed(seed)
+    count = 200
+    buffer = torch.randn(count * VIEW + 64, generator=generator) * 0.01
     order = torch.randperm(count, generator=generator).tolist()
     copies = []
     for _ in range(2):
         data = buffer.clone()
-        views = [data[i * size : (i + 1) * size] for i in order]
-        if shared != "none":
-            start = order[0] * size + (0 if shared == "the same elements" else 64)
-            views.insert(count // 2, data[start : start + size])  # where the second thread starts
-        copies.append(params_with(views))
-    ours, theirs = copies
+        copies.append((data, [data[i * VIEW : (i + 1) * VIEW] for i in order], order))
+    return copies
+
+
+def assert_clip_grad_norm_is_torchs(ours, theirs):
     torch.testing.assert_close(
         torchclip.clip_grad_norm_(ours, 0.5),
         torch.nn.utils.clip_grad_norm_(theirs, 0.5),
@@ -130,31 +132,32 @@ def test_views_listed_out_of_address_order_with_one_pair_sharing_memory(shared, 
     )
     for p, q in zip(ours, theirs):
         torch.testing.assert_close(p.grad, q.grad, rtol=CLIP_RTOL[torch.float32], atol=0)
+
+
+@pytest.mark.parametrize("shared", ["none", "the same elements", "all but 64 elements"])
+def test_views_listed_out_of_address_order_with_one_pair_sharing_memory(shared, two_threads, cpu_capability):
+    """The overlap check merges runs of ranges in address order: here ~100 runs, the shared pair far apart."""
+    copies = []
+    for data, views, order in views_out_of_order(seed=2):
+        if shared != "none":
+            start = order[0] * VIEW + (0 if shared == "the same elements" else 64)
+            views.insert(len(views) // 2, data[start : start + VIEW])  # where the second thread starts
+        copies.append(params_with(views))
+    assert_clip_grad_norm_is_torchs(*copies)
 
 
 def test_a_list_found_disjoint_then_changed_to_share_memory_is_checked_again(two_threads, cpu_capability):
     """The check keeps its last disjoint verdict for a list that comes again range for range: one moved
     gradient must not hide behind it."""
-    generator = torch.Generator().manual_seed(3)
-    count, size = 200, 5000
-    buffer = torch.randn(count * size, generator=generator) * 0.01
-    order = torch.randperm(count, generator=generator).tolist()
     copies = []
-    for _ in range(2):
-        data = buffer.clone()
-        copies.append((data, params_with([data[i * size : (i + 1) * size] for i in order])))
-    for (data, params), clip in zip(copies, [torchclip.clip_grad_value_, torch.nn.utils.clip_grad_value_]):
+    for (data, views, order), clip in zip(
+        views_out_of_order(seed=3), [torchclip.clip_grad_value_, torch.nn.utils.clip_grad_value_]
+    ):
+        params = params_with(views)
         clip(params, 1.0)  # nothing clipped; the list found disjoint
-        params[count // 2].grad = data[order[0] * size + 64 : order[0] * size + 64 + size]  # the first one, moved
-    ours, theirs = copies[0][1], copies[1][1]
-    torch.testing.assert_close(
-        torchclip.clip_grad_norm_(ours, 0.5),
-        torch.nn.utils.clip_grad_norm_(theirs, 0.5),
-        rtol=CLIP_RTOL[torch.float32],
-        atol=0,
-    )
-    for p, q in zip(ours, theirs):
-        torch.testing.assert_close(p.grad, q.grad, rtol=CLIP_RTOL[torch.float32], atol=0)
+        params[len(params) // 2].grad = data[order[0] * VIEW + 64 : order[0] * VIEW + 64 + VIEW]  # the first, moved
+        copies.append(params)
+    assert_clip_grad_norm_is_torchs(*copies)
 
 
 # ---- fork ------------------------------------------------------------------------------------------
