@@ -118,6 +118,9 @@ void in_list_order(at::TensorList tensors, const Split& split, const OnSpan& on_
 template <typename AtenScale>
 void apply_scales(at::TensorList tensors, const Split& split, const std::vector<double>& scales,
     const AtenScale& aten_scale) {
+  if (std::all_of(scales.begin(), scales.end(), [](double scale) { return scale == 1.0; })) {
+    return;  // nothing is written (a clip that is not needed): no order to keep, no overlap to look for
+  }
   if (may_overlap(split.spans.data(), split.spans.size(), tensors, split.aten_path)) {
     in_list_order(
         tensors, split, [&](int64_t k) { cpu_kernels().scale(&split.spans[k], 1, &scales[split.span_source[k]]); },
