@@ -19,6 +19,22 @@ def tensor_list(dtype, seed=0, scale=1.0):
 
 # ---- opcheck: schema, fake, autograd registration, and the dispatcher agree --------------------
 
+
+def adam_step_arguments():
+    """adam_step_'s keyword arguments in the op tests (a fresh grad_scale each time)."""
+    return {
+        "lr": 1e-2,
+        "beta1": 0.9,
+        "beta2": 0.999,
+        "weight_decay": 0.1,
+        "eps": 1e-8,
+        "amsgrad": False,
+        "maximize": False,
+        "decoupled_weight_decay": True,
+        "grad_scale": torch.tensor(2.0),
+    }
+
+
 OPCHECK_CASES = {
     "multi_tensor_norm": lambda: ((tensor_list(torch.float32)[1:5], 2.0, False),),
     "multi_tensor_scale_": lambda: (
@@ -59,17 +75,7 @@ OPCHECK_CASES = {
             [torch.zeros(5, 7), torch.zeros(3)],
             [],
             [torch.tensor(0.0), torch.tensor(4.0)],
-            {
-                "lr": 1e-2,
-                "beta1": 0.9,
-                "beta2": 0.999,
-                "weight_decay": 0.1,
-                "eps": 1e-8,
-                "amsgrad": False,
-                "maximize": False,
-                "decoupled_weight_decay": True,
-                "grad_scale": torch.tensor(2.0),
-            },
+            adam_step_arguments(),
         ),
     ),
 }
@@ -287,17 +293,9 @@ def _adam_lists(kind):
     dtype = torch.float32 if kind == "neg" else torch.complex64
     params, grads = _listed(kind, (5, 7)), _listed(kind, (5, 7), seed=3)
     zeros = [torch.zeros(5, 7, dtype=dtype), torch.zeros(5)]
-    return (params, grads, zeros, [z.clone() for z in zeros], [], [torch.tensor(0.0), torch.tensor(4.0)]), {
-        "lr": 1e-2,
-        "beta1": 0.9,
-        "beta2": 0.999,
-        "weight_decay": 0.1,
-        "eps": 1e-8,
-        "amsgrad": False,
-        "maximize": False,
-        "decoupled_weight_decay": True,
-        "grad_scale": torch.tensor(2.0),
-    }
+    return (params, grads, zeros, [z.clone() for z in zeros], [], [torch.tensor(0.0), torch.tensor(4.0)]), (
+        adam_step_arguments()
+    )
 
 
 # Each op's arguments (args, kwargs) with a view of `kind` in every tensor list, against which
