@@ -233,6 +233,32 @@ def test_a_need_clip_property_that_changes_the_list_does_not_crash():
     assert result.returncode == 0 and "survived" in result.stdout, (result.returncode, result.stderr[-2000:])
 
 
+@pytest.mark.parametrize("where", ["a class attribute", "a __getattr__"])
+def test_need_clip_from_the_class_is_honoured_as_from_the_parameter(where, cpu_capability):
+    # A plain class attribute is read without running Python code (the walk borrows the items); a
+    # __getattr__ runs Python code for every parameter without the mark (the walk owns them meanwhile).
+    params = params_with([torch.full((10,), 3.0) for _ in range(3)])
+    torchclip.set_need_clip(params[1], True)
+
+    def unmarked_are_excluded(self, name):
+        if name == "need_clip":
+            return False
+        raise AttributeError(name)
+
+    if where == "a class attribute":
+        torch.nn.Parameter.need_clip = False
+    else:
+        torch.nn.Parameter.__getattr__ = unmarked_are_excluded
+    try:
+        torchclip.ClipGradByValue(1.0)(params)
+    finally:
+        if where == "a class attribute":
+            del torch.nn.Parameter.need_clip
+        else:
+            del torch.nn.Parameter.__getattr__
+    assert [p.grad[0].item() for p in params] == [3.0, 1.0, 3.0]
+
+
 def test_a_need_clip_property_that_replaces_items_is_read_as_the_list_then_is(cpu_capability):
     params = params_with([torch.full((10,), 3.0) for _ in range(4)])
     replacement = params_with([torch.full((10,), 4.0)])[0]

@@ -71,6 +71,29 @@ bool need_clip(PyObject* param) {
   return !excluded;
 }
 
+// Whether looking up `need_clip` on every item runs no Python code: each item's type reads attributes
+// generically (no __getattr__ / __getattribute__) and holds no descriptor of that name (a property).
+// Then the lookups cannot change the list or free an item, and the walk need not own the items.
+bool need_clip_lookups_run_no_python(PyObject* const* elements, Py_ssize_t count) {
+  static PyObject* const name = PyUnicode_InternFromString("need_clip");
+  PyTypeObject* checked = nullptr;  // the items share one or two types: each is checked once in a row
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    PyTypeObject* type = Py_TYPE(elements[i]);
+    if (type == checked) {
+      continue;
+    }
+    if (type->tp_getattro != PyObject_GenericGetAttr) {
+      return false;
+    }
+    PyObject* on_type = _PyType_Lookup(type, name);  // (borrowed; runs no Python code)
+    if (on_type != nullptr && Py_TYPE(on_type)->tp_descr_get != nullptr) {
+      return false;
+    }
+    checked = type;
+  }
+  return true;
+}
+
 // The items of a walk: a list or tuple as it is, or one tensor. Nothing for any other iterable, a
 // list or tuple subclass included, whose iteration may differ from its storage (the drop-ins drain
 // those into a list first).
@@ -332,6 +355,28 @@ std::optional<c10::Device> first_device(const Items& items, bool take_grad) {
   return c10::Device(c10::kCPU);
 }
 
+// The need_clip marks where a lookup may run Python code (a property) that could empty the list and
+// free an item still to be read: the items are owned meanwhile. False when the list changed meanwhile
+// (the general path, which holds its own references, then walks it).
+bool read_need_clip_owning_items(PyObject* object, PyObject* const* elements, Py_ssize_t count, uint8_t* excluded) {
+  struct OwnedItems {
+    std::vector<PyObject*> items;
+    ~OwnedItems() {
+      for (PyObject* item : items) {
+        Py_DECREF(item);  // (the list, unchanged when the walk goes on, still holds each one)
+      }
+    }
+  } owned{std::vector<PyObject*>(elements, elements + count)};
+  for (PyObject* item : owned.items) {
+    Py_INCREF(item);
+  }
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    excluded[i] = !need_clip(owned.items[i]);
+  }
+  const std::optional<Items> after = items_of(object);
+  return after && after->count == count && std::equal(owned.items.begin(), owned.items.end(), after->elements);
+}
+
 }  // namespace
 
 bool plain_on(const c10::TensorImpl& tensor, c10::Device device) {
@@ -407,30 +452,20 @@ bool GatheredTensors::walk(PyObject* object, bool take_grad, bool honor_need_cli
   // change the list itself: then the list is walked by the general path, which holds its own references.
   std::unique_ptr<uint8_t[]> excluded;
   if (honor_need_clip) {
-    // Owned while Python code runs: a property that empties the list must not free an item we still read.
-    struct OwnedItems {
-      std::vector<PyObject*> items;
-      ~OwnedItems() {
-        for (PyObject* item : items) {
-          Py_DECREF(item);  // (the list, unchanged when the walk goes on, still holds each one)
-        }
-      }
-    } owned{std::vector<PyObject*>(elements, elements + count)};
-    const std::vector<PyObject*>& items_before = owned.items;
-    for (PyObject* item : items_before) {
-      Py_INCREF(item);
-    }
-    excluded.reset(new uint8_t[count]);
     for (Py_ssize_t i = 0; i < count; ++i) {
-      if (!THPVariable_CheckExact(items_before[i])) {
+      if (!THPVariable_CheckExact(elements[i])) {
         return false;
       }
-      excluded[i] = !need_clip(items_before[i]);
     }
-    listed = items_of(object);  // (a list's item array may have moved)
-    if (!listed || listed->count != count || !std::equal(items_before.begin(), items_before.end(), listed->elements)) {
+    excluded.reset(new uint8_t[count]);
+    if (need_clip_lookups_run_no_python(elements, count)) {
+      for (Py_ssize_t i = 0; i < count; ++i) {
+        excluded[i] = !need_clip(elements[i]);
+      }
+    } else if (!read_need_clip_owning_items(object, elements, count, excluded.get())) {
       return false;
     }
+    listed = items_of(object);  // (Python code may have moved a list's item array)
     elements = listed->elements;
   }
   one_thread_after_fork();
