@@ -264,13 +264,20 @@ def kernels_serve(tensors: Sequence[torch.Tensor], devices: Sequence[str] = KERN
     """Whether the torchclip ops serve all these tensors (a list or tuple): plain strided tensors (no
     subclass, fake or functional wrapper) on one device of a type in `devices`. The rule is the
     parameter walk's own (csrc/walk/param_walk.h, plain_on); under dynamo, which cannot call it and
-    sees plain tensors, the device and the layout decide."""
+    sees plain tensors, the device and the layout decide (kernels_serve_traced)."""
     if dynamo_is_tracing():
-        if not tensors:
-            return True
-        device = tensors[0].device
-        return device.type in devices and all(t.device == device and t.layout == torch.strided for t in tensors)
+        return kernels_serve_traced(tensors, devices)
     return _C.kernels_serve(tensors, "cuda" in devices)
+
+
+def kernels_serve_traced(tensors: Sequence[torch.Tensor], devices: Sequence[str] = KERNEL_DEVICES) -> bool:
+    """kernels_serve's rule where dynamo traces: plain_on's device and layout tests, in Python. It equals
+    the C++ rule on every tensor that is not a subclass or a wrapper (tests/test_gradients.py holds it
+    so); dynamo hands the traced code plain tensors."""
+    if not tensors:
+        return True
+    device = tensors[0].device
+    return device.type in devices and all(t.device == device and t.layout == torch.strided for t in tensors)
 
 
 # ---- the eager fast path (csrc/walk/fast_path.h) ---------------------------------------------------

@@ -1,4 +1,4 @@
-"""The general path's bridge to sharded gradients (torchclip.distributed), shared by the drop-ins and
+"""Gradients' bridge to sharded gradients (torchclip.distributed), for the drop-ins and
 the clip classes. torchclip.distributed imports torch.distributed, which is heavy and optional: it is
 imported on first use, never at `import torchclip`."""
 
@@ -49,14 +49,6 @@ def sharded_norm(shards, norm_type: float, error_if_nonfinite: bool) -> Tensor:
     return total
 
 
-def global_tensor_norms(shards) -> Tensor:
-    """Each sharded gradient's global L2 norm (float64, CPU, the same on every rank)."""
-    if not _ops.kernels_serve(shards.local, devices=("cpu",)):
-        raise ValueError("sharded gradients: their norms are computed on plain strided CPU shards (gloo) for now")
-    return _distributed().sharded_norms(shards, 2.0, per_tensor=True)[1]
-
-
-def scale_shards(shards, coefficient: Tensor) -> None:
-    """Every rank's local gradients times the same coefficient."""
-    if shards.local:
-        _ops.multi_tensor_scale_(shards.local, coefficient)
+def global_tensor_norms(shards, norm_type: float = 2.0) -> Tensor:
+    """Each sharded gradient's global norm (float64, CPU, the same on every rank), of CPU shards."""
+    return _distributed().sharded_norms(shards, norm_type, per_tensor=True)[1]

@@ -36,9 +36,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from torchclip import _ops, _shards, _sparse
+from torchclip import _ops
 from torchclip._arguments import _number, _policy, _positive_finite
-from torchclip.clip_base import ClipGradBase, _norm
+from torchclip._gradients import Gradients, Route
+from torchclip.clip_base import ClipGradBase
 from torchclip.marks import exclude_from_clipping, gradient_clip_of, set_gradient_clip, set_need_clip
 
 __all__ = [
@@ -80,16 +81,7 @@ class ClipGradByValue(ClipGradBase):
         return _ops.clamp_grads_of_plain(params, self.min, self.max, honor_need_clip=True)
 
     def clip_gradients_(self, grads, params):
-        if not grads:
-            return
-        if _ops.kernels_serve(grads):
-            _ops.multi_tensor_clamp_(grads, self.min, self.max)
-        else:
-            for g in grads:
-                if _sparse.is_sparse(g):
-                    _sparse.clamp_(g, self.min, self.max)
-                else:
-                    g.clamp_(self.min, self.max)
+        Gradients(grads).clamp_(self.min, self.max)
 
     def __repr__(self):
         return f"{type(self).__name__}(min={self.min}, max={self.max})"
@@ -120,11 +112,12 @@ class ClipGradByNorm(ClipGradBase):
     def clip_gradients_(self, grads, params):
         if not grads:
             return
-        if _ops.kernels_serve(grads):
+        gradients = Gradients(grads)
+        if gradients.route is Route.KERNELS:
             self.last_norms = _ops.clip_by_tensor_norm_(grads, self.clip_norm, self.nonfinite)
             self._record(self.last_norms)
             return
-        norms = torch.stack([_norm(g).to(grads[0].device, torch.float64) for g in grads])
+        norms = gradients.tensor_norms()
         finite = torch.isfinite(norms).all()
         if self.nonfinite == "raise" and not finite:  # raising needs the answer on the host
             raise RuntimeError(
@@ -132,10 +125,8 @@ class ClipGradByNorm(ClipGradBase):
                 "clipped; no gradient was changed"
             )
         keep = ~finite if self.nonfinite == "skip" else torch.zeros((), dtype=torch.bool, device=norms.device)
-        for g, norm in zip(grads, norms):
-            # As the kernel: unchanged only when norm <= clip_norm, so a NaN norm propagates.
-            scale = torch.where((norm <= self.clip_norm) | keep, torch.ones_like(norm), self.clip_norm / norm)
-            g.mul_(scale.to(g.device, g.dtype))
+        # As the kernel: unchanged only when norm <= clip_norm, so a NaN norm propagates.
+        gradients.scale_(torch.where((norms <= self.clip_norm) | keep, torch.ones_like(norms), self.clip_norm / norms))
         self.last_norms = norms
         self._record(norms)
 
@@ -200,19 +191,16 @@ class ClipGradByGlobalNorm(ClipGradBase):
         self.last_global_norm, self.last_norms, self.last_clip_coef = global_norm, norms, coefficient
 
     def clip_gradients_(self, grads, params):
-        if self.process_group is not None:
-            shards = _shards.hand_shards(grads, params, self.process_group)
-        else:  # DTensor gradients (FSDP2): their local shards
-            shards = _shards.dtensor_shards(grads)
-            if shards is None:
-                return self._clip_unsharded(grads)
-        global_norm = _shards.sharded_norm(shards, 2.0, self.nonfinite == "raise")
+        gradients = Gradients(grads, params, process_group=self.process_group)
+        if gradients.shards is None:
+            return self._clip_unsharded(gradients)
+        global_norm = gradients.sharded_total_norm(2.0, self.nonfinite == "raise")
         self._record(global_norm)
         skip = self.nonfinite == "skip" and not torch.isfinite(global_norm)
         coefficient = torch.ones_like(global_norm) if skip else torch.clamp(self.clip_norm / global_norm, max=1.0)
         self._keep(global_norm.to(torch.float32), None, coefficient.to(torch.float64))
         if not skip:
-            _shards.scale_shards(shards, coefficient)
+            gradients.scale_(coefficient)
 
     def _global_norm_of_parameters(self, params, nonfinite: str) -> tuple[Tensor, Tensor] | None:
         """(the global norm, each gradient's norm) of the marked gradients of plain CPU or CUDA parameters,
@@ -294,10 +282,11 @@ class ClipGradByGlobalNorm(ClipGradBase):
             self._record(found[0])
         return found is not None
 
-    def _clip_unsharded(self, grads):
+    def _clip_unsharded(self, gradients: Gradients):
+        grads = gradients.tensors
         if not grads:
             return
-        if _ops.kernels_serve(grads):
+        if gradients.route is Route.KERNELS:
             self._keep(
                 *_ops.clip_grad_norm_(
                     grads, self.clip_norm, 2.0, False, eps=0.0, norm_at_least_float32=True, nonfinite=self.nonfinite
@@ -306,9 +295,8 @@ class ClipGradByGlobalNorm(ClipGradBase):
             self._record(self.last_global_norm)
             return
         wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-        device = grads[0].device
-        norms = [_norm(g).to(device, wide) for g in grads]
-        global_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        norms = gradients.tensor_norms()
+        global_norm = torch.linalg.vector_norm(norms, 2.0).to(wide)
         finite = torch.isfinite(global_norm)
         if self.nonfinite == "raise" and not finite:  # raising needs the answer on the host
             raise RuntimeError(
@@ -318,9 +306,8 @@ class ClipGradByGlobalNorm(ClipGradBase):
         scale = self.clip_norm / torch.clamp(global_norm, min=self.clip_norm)
         if self.nonfinite == "skip":
             scale = torch.where(finite, scale, torch.ones_like(scale))
-        for g in grads:
-            g.mul_(scale.to(g.device, g.dtype))
-        self._keep(global_norm, torch.stack(norms).to(torch.float64), scale.to(torch.float64))
+        gradients.scale_(scale)
+        self._keep(global_norm, norms, scale.to(torch.float64))
         self._record(global_norm)
 
     def __repr__(self):

@@ -9,37 +9,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from torchclip import _ops, _sparse
+from torchclip import _ops
 from torchclip._arguments import _CALL_FORMS, _checked_pairs, _checked_parameters, _items_of
 
 __all__ = ["ClipGradBase"]
-
-
-def _norm(g: Tensor) -> Tensor:
-    """A gradient's L2 norm on the general path (other devices, subclasses, sparse COO), accumulated
-    in at least float32."""
-    if _sparse.is_sparse(g):
-        return _sparse.norm64(g, 2.0)
-    return torch.linalg.vector_norm(g, 2.0, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
-
-
-def _tensor_norms(tensors: list[Tensor], ord: float = 2.0) -> Tensor:
-    """Each tensor's `ord`-norm in float64, on the first tensor's device: one fused kernel pass where
-    the kernels serve the list and nothing needs a gradient; else one norm per tensor, differentiable
-    (in float64, complex128 for complex data; sparse COO by its values)."""
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) and _ops.kernels_serve(tensors):
-        return _ops.multi_tensor_norm(tensors, ord, False)[1]
-    device = tensors[0].device
-    return torch.stack(
-        [
-            (
-                _sparse.norm64(t, ord)
-                if _sparse.is_sparse(t)
-                else torch.linalg.vector_norm(t, ord, dtype=torch.complex128 if t.is_complex() else torch.float64)
-            ).to(device)
-            for t in tensors
-        ]
-    )
 
 
 def add_to_count(count: Tensor | None, found: Tensor) -> Tensor:

@@ -42,6 +42,7 @@ from torch.nn.utils import clip_grad as _torch_clip_grad
 from typing_extensions import deprecated
 
 from torchclip import _ops, _shards, _sparse
+from torchclip._gradients import Gradients, Route
 
 _tensor_or_tensors = Tensor | Iterable[Tensor]
 
@@ -100,12 +101,11 @@ def _grads(parameters: list) -> list[Tensor]:
     return grads
 
 
-# Each public function is the one route of its entry point: the C++ walk first thing, with the
-# arguments as given (csrc/walk/fast_path.h; an iterable other than a list or tuple drained into a list
-# first), then, where the walk declines, the general path under one no_grad(), which takes the ops
-# (kernels_serve: the walk's own rule), sharded gradients, sparse gradients, or torch's implementation.
-# The walk serves only tensors autograd does not track, so grad mode changes nothing there. Each
-# Python step before it cost 4-10 us of a 0.5 ms call on 10,000 parameters, cold after a step's work.
+# Each public function is one door: the C++ walk first thing, with the arguments as given
+# (csrc/walk/fast_path.h; an iterable other than a list or tuple drained into a list first), then,
+# where the walk declines, the general path under one no_grad(), a rule over the gradients' route
+# (torchclip/_gradients.py). The walk serves only tensors autograd does not track, so grad mode changes
+# nothing there. Each Python step before it cost 4-10 us of a 0.5 ms call on 10,000 parameters.
 
 
 def get_total_norm(
@@ -139,17 +139,18 @@ def get_total_norm(
 
 
 def _total_norm_general(tensors: Sequence[Tensor], norm_type: float, error_if_nonfinite, foreach, process_group):
-    if process_group is not None:
-        shards = _shards.hand_shards(tensors, tensors, process_group)
-        return _shards.sharded_norm(shards, norm_type, error_if_nonfinite).to(_ops.total_norm_dtype(tensors))
+    gradients = Gradients(tensors, process_group=process_group)
+    if gradients.route is Route.HAND_SHARDS:
+        return gradients.sharded_total_norm(norm_type, error_if_nonfinite).to(_ops.total_norm_dtype(tensors))
     if len(tensors) == 0:
         return torch.tensor(0.0)
-    if _ops.kernels_serve(tensors):
+    if gradients.route is Route.KERNELS:
         total_norm, _ = _ops.multi_tensor_norm(tensors, norm_type, error_if_nonfinite)
         return total_norm
-    if any(_sparse.is_sparse(t) for t in tensors):
+    if gradients.route is Route.SPARSE:
         total_wide, dtype = _total_norm_with_sparse(tensors, norm_type, error_if_nonfinite)
         return total_wide.to(dtype)
+    # DTensors too: torch's result is itself a DTensor, which the drop-in returns as torch does.
     return _torch_get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
 
 
@@ -159,7 +160,7 @@ def _total_norm_with_sparse(tensors: list[Tensor], norm_type: float, error_if_no
     device = tensors[0].device
     sparse = [t for t in tensors if _sparse.is_sparse(t)]
     dense = [t for t in tensors if not _sparse.is_sparse(t)]
-    kernel_served = _ops.kernels_serve(dense) and all(t.numel() > 0 for t in dense)
+    kernel_served = Gradients(dense).route is Route.KERNELS and all(t.numel() > 0 for t in dense)
     norms = [_sparse.norm64(t, norm_type).to(device) for t in sparse]
     if dense and kernel_served:  # one kernel call for all the dense ones
         norms.append(_ops.multi_tensor_norm(dense, norm_type)[1].to(device))
@@ -187,7 +188,7 @@ def clip_grads_with_norm_(
     max_norm = _as_number("max_norm", max_norm)
     _check_total_norm(total_norm)
     with torch.no_grad():
-        if not _ops.kernels_serve(grads):
+        if Gradients(grads).route is not Route.KERNELS:
             return _torch_clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
         if grads:
             _ops.multi_tensor_scale_(grads, _coefficient(max_norm, total_norm, 1e-6).to(grads[0].device))
@@ -254,37 +255,22 @@ def clip_grad_norm_(
 def _clip_grad_norm_general(
     parameters, grads, max_norm: float, norm_type: float, error_if_nonfinite, foreach, process_group
 ) -> Tensor:
-    if process_group is not None:
-        params = [p for p in parameters if p.grad is not None]
-        return _clip_shards(
-            _shards.hand_shards(grads, params, process_group),
-            max_norm,
-            norm_type,
-            error_if_nonfinite,
-            _ops.total_norm_dtype(grads),
-        )
-    if grads and _ops.kernels_serve(grads):
+    params = [p for p in parameters if p.grad is not None] if process_group is not None else None
+    gradients = Gradients(grads, params, process_group=process_group)
+    if gradients.shards is not None:  # hand shards, FSDP2 / DTensor gradients: one collective
+        total = gradients.sharded_total_norm(norm_type, error_if_nonfinite)
+        gradients.scale_(_coefficient(max_norm, total, 1e-6))
+        return total.to(_ops.total_norm_dtype(grads))
+    if grads and gradients.route is Route.KERNELS:
         return _ops.clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite)[0]
-    shards = _shards.dtensor_shards(grads)
-    if shards is not None:  # FSDP2 / DTensor gradients: their local shards, one collective
-        return _clip_shards(shards, max_norm, norm_type, error_if_nonfinite, _ops.total_norm_dtype(grads))
-    if any(_sparse.is_sparse(g) for g in grads):
+    if gradients.route is Route.SPARSE:
         total_wide, dtype = _total_norm_with_sparse(grads, norm_type, error_if_nonfinite)
-        coefficient = _coefficient(max_norm, total_wide, 1e-6)
-        for g in grads:  # scaling the stored values of a sparse gradient scales its sums too
-            g.mul_(coefficient.to(g.device))
+        gradients.scale_(_coefficient(max_norm, total_wide, 1e-6))
         return total_wide.to(dtype)
     # Other devices, subclasses, or no gradient at all: torch's composition.
     total_norm = _torch_get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
     _torch_clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
     return total_norm
-
-
-def _clip_shards(shards, max_norm: float, norm_type: float, error_if_nonfinite, result_dtype) -> Tensor:
-    """clip_grad_norm_ over this rank's shards: one collective, the same coefficient on every rank."""
-    total = _shards.sharded_norm(shards, norm_type, error_if_nonfinite)
-    _shards.scale_shards(shards, _coefficient(max_norm, total, 1e-6))
-    return total.to(result_dtype)
 
 
 @deprecated(
@@ -322,11 +308,9 @@ def clip_grad_value_(
     if not grads:
         return
     with torch.no_grad():
-        if _ops.kernels_serve(grads):
-            _ops.multi_tensor_clamp_(grads, -clip_value, clip_value)
-        elif any(_sparse.is_sparse(g) for g in grads):
-            for g in grads:
-                (_sparse.clamp_ if _sparse.is_sparse(g) else Tensor.clamp_)(g, -clip_value, clip_value)
+        gradients = Gradients(grads)
+        if gradients.route in (Route.KERNELS, Route.SPARSE):
+            gradients.clamp_(-clip_value, clip_value)
         else:
             _torch_clip_grad_value_(parameters, clip_value, foreach)
 

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from torchclip import _ops
-from torchclip.clip_base import _tensor_norms
+from torchclip._gradients import Gradients
 
 __all__ = ["grad_norm"]
 
@@ -38,7 +38,7 @@ def grad_norm(module: torch.nn.Module, norm_type: float | str, group_separator: 
         return {}
     grads = [g for _, g in named]
     with torch.no_grad():
-        norms = _tensor_norms(grads, norm_type)
+        norms = Gradients(grads).tensor_norms(norm_type)
         total = torch.linalg.vector_norm(norms, norm_type)
         on_host = torch.cat([norms, total.reshape(1)]).cpu()  # the one device-to-host copy
     out = {

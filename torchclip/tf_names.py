@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from torchclip import _ops
-from torchclip.clip_base import _tensor_norms
+from torchclip._gradients import Gradients
 
 __all__ = ["clip_by_global_norm", "clip_by_norm", "clip_by_value", "global_norm"]
 
@@ -106,7 +106,7 @@ def clip_by_norm(t: Tensor, clip_norm, axes=None) -> Tensor:
     dims = _axes(axes, t.dim())
     wide = torch.complex128 if t.is_complex() else torch.float64
     if dims is None:
-        norm = _tensor_norms([t])[0]
+        norm = Gradients([t]).tensor_norms()[0]
     else:
         norm = torch.linalg.vector_norm(t, 2.0, dim=dims, keepdim=True, dtype=wide)
     limit = clip_norm.to(norm.device, torch.float64) if isinstance(clip_norm, Tensor) else clip_norm
@@ -130,7 +130,7 @@ def _tensors_of(t_list) -> tuple[list[Tensor], list[int]]:
 
 def _global_norm64(tensors: list[Tensor]) -> Tensor:
     """The L2 norm of all tensors together, float64, on the first tensor's device."""
-    return torch.linalg.vector_norm(_tensor_norms(tensors), 2.0)
+    return torch.linalg.vector_norm(Gradients(tensors).tensor_norms(), 2.0)
 
 
 def global_norm(t_list) -> Tensor:

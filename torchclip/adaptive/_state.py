@@ -36,8 +36,9 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from torchclip import _ops, _shards
-from torchclip.clip_base import ClipGradBase, _tensor_norms
+from torchclip import _ops
+from torchclip._gradients import Gradients, Route
+from torchclip.clip_base import ClipGradBase
 
 # The epsilon both references add to the norm in the clip coefficient (torch's clip_grad_norm_'s).
 _COEFFICIENT_EPS = 1e-6
@@ -47,10 +48,8 @@ def _targets_and_norms(grads: list[Tensor]) -> tuple[list[Tensor], Tensor]:
     """(the tensors to scale, each gradient's L2 norm in float64). DTensor gradients (FSDP2, tensor
     parallelism) are scaled in their local shards, and their norms are the global ones, the same on
     every rank (one all_gather of the local norms), so every rank takes the same decisions."""
-    shards = _shards.dtensor_shards(grads)
-    if shards is None:
-        return grads, _tensor_norms(grads)
-    return shards.local, _shards.global_tensor_norms(shards)
+    gradients = Gradients(grads)
+    return gradients.local, gradients.tensor_norms()
 
 
 def _scale(grads: list[Tensor], scale: Tensor) -> None:
@@ -58,11 +57,7 @@ def _scale(grads: list[Tensor], scale: Tensor) -> None:
     nothing on the CPU kernels, and a CPU scale of 1 (read without waiting) skips the call."""
     if not grads or (scale.dim() == 0 and scale.device.type == "cpu" and scale.item() == 1.0):
         return
-    if _ops.kernels_serve(grads):
-        _ops.multi_tensor_scale_(grads, scale)
-        return
-    for i, g in enumerate(grads):
-        g.mul_((scale if scale.dim() == 0 else scale[i]).to(g.device))
+    Gradients(grads).scale_(scale)
 
 
 def _clip_coefficient(max_norm: Tensor | float, norm: Tensor) -> Tensor:
@@ -282,11 +277,11 @@ class _StatefulClip(_NonfiniteGate, ClipGradBase):
         """(the tensors to scale, each gradient's L2 norm or None, the global L2 norm), float64. Hand
         shards (process_group) give the global norm alone: a tensor's pieces may live on several ranks.
         With a process group every rank calls, gradients or not: the norm is a collective."""
-        if self.process_group is not None:
-            shards = _shards.hand_shards(grads, params, self.process_group)
-            return shards.local, None, _shards.sharded_norm(shards, 2.0, False)
-        targets, norms = _targets_and_norms(grads)
-        return targets, norms, torch.linalg.vector_norm(norms, 2.0)
+        gradients = Gradients(grads, params, process_group=self.process_group)
+        if gradients.route is Route.HAND_SHARDS:
+            return gradients.local, None, gradients.sharded_total_norm(2.0, False)
+        norms = gradients.tensor_norms()
+        return gradients.local, norms, torch.linalg.vector_norm(norms, 2.0)
 
     def _rows_of(self, params: list[Tensor], device: torch.device) -> list[int]:
         """Each parameter's row in per-parameter state (see _ParamRows), the state made to fit them."""

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from torchclip import _ops
 from torchclip._arguments import _policy
+from torchclip._gradients import Gradients, Route
 from torchclip.adaptive._state import _check_positive, _NonfiniteGate, _targets_and_norms
 from torchclip.clip_base import ClipGradBase
 
@@ -53,7 +54,7 @@ class ClipGradByUnitwiseNorm(_NonfiniteGate, ClipGradBase):
         params = [p.detach() for p in params]
         if self.nonfinite != "propagate" and not self._admits(_targets_and_norms(grads)[1]):
             return
-        if _ops.kernels_serve(grads, devices=("cpu",)) and _ops.kernels_serve(params, devices=("cpu",)):
+        if all(Gradients(tensors, devices=("cpu",)).route is Route.KERNELS for tensors in (grads, params)):
             _ops.unitwise_clip_(grads, params, self.clip_factor, self.eps, self.norm_type)
             return
         for p, g in zip(params, grads):

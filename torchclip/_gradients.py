@@ -1,0 +1,136 @@
+"""The one place where a call's gradients choose their route, and what each route does with them.
+
+The eager fast path (csrc/walk) serves plain CPU and CUDA parameters before any Python runs. Every
+other call (each drop-in's general path, the clip classes, the adaptive clips, the statistics, the
+TensorFlow names, the optimizer hooks when the walk declines) builds one Gradients from the tensors it
+reads or writes and follows its `route`, tried in this order:
+
+    HAND_SHARDS     process_group= was given: this rank's share of the group's gradients
+    KERNELS         plain strided tensors on one device whose kernels were built, autograd not
+                    tracking them: torchclip's ops (the walk's own rule, csrc/walk/param_walk.h)
+    DTENSOR_SHARDS  DTensor gradients (FSDP2, tensor parallelism) with Shard/Replicate placements and
+                    CPU local shards: the local shards, one collective for the norms
+    SPARSE          a sparse COO tensor among them (torch.nn.utils cannot clip those)
+    TORCH           anything else (other devices, subclasses, CUDA DTensors, differentiable norms):
+                    torch's own ops
+
+Each entry point's rule over the route is a few lines beside it; the operations every rule shares
+(per-tensor norms, the sharded total, scaling, clamping) are the methods below.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from torchclip import _ops, _shards, _sparse
+
+
+class Route(enum.Enum):
+    HAND_SHARDS = "hand shards"
+    KERNELS = "kernels"
+    DTENSOR_SHARDS = "DTensor shards"
+    SPARSE = "sparse"
+    TORCH = "torch"
+
+
+class Gradients:
+    """A call's gradients (`tensors`), the route they take, and their shards on a sharded route.
+
+    `params[i]` is `tensors[i]`'s parameter; only hand shards read it (which ones are replicated).
+    `devices`: the device types whose kernels the call may use (the unit-wise clip's are CPU-only).
+    """
+
+    __slots__ = ("route", "shards", "tensors")
+
+    def __init__(
+        self,
+        tensors: Sequence[Tensor],
+        params: Sequence[Tensor] | None = None,
+        *,
+        process_group=None,
+        devices: Sequence[str] = _ops.KERNEL_DEVICES,
+    ):
+        self.tensors = tensors
+        self.shards = None
+        if process_group is not None:
+            self.route = Route.HAND_SHARDS
+            self.shards = _shards.hand_shards(tensors, tensors if params is None else params, process_group)
+        elif _ops.kernels_serve(tensors, devices) and not _tracked(tensors):
+            self.route = Route.KERNELS
+        elif (shards := _cpu_dtensor_shards(tensors)) is not None:
+            self.route = Route.DTENSOR_SHARDS
+            self.shards = shards
+        elif any(_sparse.is_sparse(t) for t in tensors):
+            self.route = Route.SPARSE
+        else:
+            self.route = Route.TORCH
+
+    @property
+    def local(self) -> list[Tensor]:
+        """What this rank writes: its local shards on a sharded route, else the tensors themselves."""
+        return self.tensors if self.shards is None else self.shards.local
+
+    def tensor_norms(self, ord: float = 2.0) -> Tensor:
+        """Each tensor's `ord`-norm in float64: one fused pass on KERNELS; the global norm of each
+        sharded tensor on DTENSOR_SHARDS (float64 on the CPU, the same on every rank); else one norm per
+        tensor on the first tensor's device, differentiable (complex128 for complex data; sparse COO by
+        its values)."""
+        if self.route is Route.KERNELS:
+            return _ops.multi_tensor_norm(self.tensors, ord, False)[1]
+        if self.route is Route.DTENSOR_SHARDS:
+            return _shards.global_tensor_norms(self.shards, ord)
+        if self.route is Route.HAND_SHARDS:
+            raise ValueError("process_group: hand-sharded gradients have a global norm, not per-tensor norms")
+        device = self.tensors[0].device
+        return torch.stack([_tensor_norm64(t, ord).to(device) for t in self.tensors])
+
+    def sharded_total_norm(self, ord: float, error_if_nonfinite: bool) -> Tensor:
+        """The global norm of sharded gradients (float64, on the CPU, the same on every rank)."""
+        return _shards.sharded_norm(self.shards, ord, error_if_nonfinite)
+
+    def scale_(self, scale: Tensor) -> None:
+        """Each written tensor times `scale` (0-d) or `scale[i]` (1-d), in place, rounded as torch's
+        mul_ by a tensor; a scale of exactly 1 writes nothing on the CPU kernels."""
+        targets = self.local
+        if not targets:
+            return
+        if self.shards is not None or self.route is Route.KERNELS:
+            _ops.multi_tensor_scale_(targets, scale)
+            return
+        for i, t in enumerate(targets):  # (scaling a sparse tensor's stored values scales its sums)
+            t.mul_((scale if scale.dim() == 0 else scale[i]).to(t.device))
+
+    def clamp_(self, lo: float, hi: float) -> None:
+        """Each tensor clamped to [lo, hi] in place, in one pass on KERNELS (a sparse COO tensor after
+        summing its duplicates)."""
+        if self.route is Route.KERNELS:
+            if self.tensors:
+                _ops.multi_tensor_clamp_(self.tensors, lo, hi)
+            return
+        for t in self.tensors:
+            (_sparse.clamp_ if _sparse.is_sparse(t) else Tensor.clamp_)(t, lo, hi)
+
+
+def _tracked(tensors: Sequence[Tensor]) -> bool:
+    """Whether autograd would track a norm of these tensors (the kernels' results are not
+    differentiable): grad mode is on and one of them requires grad."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _cpu_dtensor_shards(tensors: Sequence[Tensor]):
+    """The shards of DTensor gradients whose local shards the CPU kernels serve (the collective runs on
+    gloo for now), else None: CUDA DTensors take torch's own DTensor ops."""
+    shards = _shards.dtensor_shards(tensors)
+    if shards is None or not _ops.kernels_serve(shards.local, devices=("cpu",)):
+        return None
+    return shards
+
+
+def _tensor_norm64(t: Tensor, ord: float) -> Tensor:
+    if _sparse.is_sparse(t):
+        return _sparse.norm64(t, ord)
+    return torch.linalg.vector_norm(t, ord, dtype=torch.complex128 if t.is_complex() else torch.float64)
