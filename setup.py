@@ -25,8 +25,41 @@ isolation would install a second (CUDA) torch to build against.
 import json
 import os
 import platform
+import re
+import shutil
 
-import torch
+SUPPORTED_TORCH = ((2, 11), (2, 15))  # pyproject.toml's torch>=2.11,<2.16
+
+
+def refuse(reason: str, fix: str):
+    """Stops the build with one paragraph that says why and what to run, instead of a traceback."""
+    raise SystemExit(f"\ntorchclip cannot be built here: {reason}\n\n{fix}\n")
+
+
+try:
+    import torch
+except ModuleNotFoundError:
+    refuse(
+        "torch is not importable in the build environment. torchclip compiles against the torch installed "
+        "beside it, and pip builds in an isolated environment (which holds no torch) unless told not to.",
+        "Install torch (2.11 to 2.15) first, then, in that same environment:\n    pip install --no-build-isolation .",
+    )
+_torch_release = tuple(int(n) for n in re.findall(r"\d+", torch.__version__)[:2])
+if not SUPPORTED_TORCH[0] <= _torch_release <= SUPPORTED_TORCH[1]:
+    refuse(
+        f"the installed torch is {torch.__version__}; torchclip supports torch 2.11 to 2.15, and building "
+        "against another would make pip replace your torch to satisfy torchclip's requirement.",
+        "Install a supported torch (e.g. pip install torch==2.15.0) into this environment, then run\n"
+        "    pip install --no-build-isolation .",
+    )
+_compiler = (os.environ.get("CXX") or "c++").split()[0]  # (CXX may be "ccache g++")
+if os.name != "nt" and not shutil.which(_compiler):
+    refuse(
+        f"no C++ compiler was found ({_compiler} is not on PATH, or CXX names none); the kernels are C++17.",
+        "Install one (Debian/Ubuntu: apt install g++; Fedora: dnf install gcc-c++; macOS: xcode-select "
+        "--install), or point CXX at it, then run the install again.",
+    )
+
 from setuptools import find_packages, setup
 from torch.utils import cpp_extension
 from torch.utils.cpp_extension import BuildExtension, CppExtension

@@ -1,5 +1,5 @@
 """What every adaptive clip does alike: the C++ walk and the pairs form, state_dict round trips, argument
-checks, the optimizer hook, the README's example and CUDA steps that never wait for the device."""
+checks, the optimizer hook, the docs' example and CUDA steps that never wait for the device."""
 
 import io
 import math
@@ -181,9 +181,8 @@ def test_public_names():
     assert torchclip.ClipGradByUnitwiseNorm is ClipGradByUnitwiseNorm
 
 
-def test_readme_example_runs(tmp_path):
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("## Adaptive clipping") :]
+def test_the_adaptive_pages_example_runs(tmp_path):
+    section = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "adaptive.md").read_text()
     code = section[
         section.index("```python") + len("```python") : section.index("```\n", section.index("```python") + 9)
     ]

@@ -1,4 +1,4 @@
-"""Every row of the README's bad-input table: the error (type and words) and gradients unchanged."""
+"""Every row of the bad-input table (docs/bad-input.md): the error (type and words) and gradients unchanged."""
 
 import math
 import threading

@@ -343,11 +343,11 @@ def test_a_need_clip_property_that_drops_gradients_is_read_before_the_walk(monke
             assert p.grad.abs().max() <= 0.5
 
 
-# ---- the protocol a user's clip follows (ClipGradBase's docstring, the README) ----------------------------
+# ---- the protocol a user's clip follows (ClipGradBase's docstring, docs/optimizer.md) ---------------------
 
 
 class ClipGradBySign(torchclip.ClipGradBase):
-    """The README's example: signSGD's update, each element to -1, 0 or 1."""
+    """The documented example: signSGD's update, each element to -1, 0 or 1."""
 
     def __init__(self):
         self.calls = []

@@ -1,4 +1,5 @@
-"""The public surface: what torchclip.__all__ exports is what the README documents, and no more."""
+"""The public surface: what torchclip.__all__ exports is what the API reference (docs/reference.md) documents,
+and no more."""
 
 import importlib
 import pathlib
@@ -6,17 +7,17 @@ import re
 
 import torchclip
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
-_SUBMODULES_IMPORTED_ON_USE = {"distributed", "bench", "clip"}  # named in the README as torchclip.<module>.x
+REFERENCE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "reference.md"
+_SUBMODULES_IMPORTED_ON_USE = {"distributed", "bench", "clip"}  # named there as torchclip.<module>.x
 
 
-def _readme_names() -> set[str]:
-    return set(re.findall(r"\btorchclip\.([A-Za-z_][A-Za-z0-9_]*)", README.read_text()))
+def _documented_names() -> set[str]:
+    return set(re.findall(r"\btorchclip\.([A-Za-z_][A-Za-z0-9_]*)", REFERENCE.read_text()))
 
 
 def test_every_export_is_documented():
-    undocumented = sorted(set(torchclip.__all__) - _readme_names())
-    assert not undocumented, f"exported but not in README.md: {undocumented}"
+    undocumented = sorted(set(torchclip.__all__) - _documented_names())
+    assert not undocumented, f"exported but not in docs/reference.md: {undocumented}"
 
 
 def test_every_export_exists():
@@ -26,14 +27,14 @@ def test_every_export_exists():
 
 def test_every_documented_name_is_exported_or_a_module():
     stray = []
-    for name in sorted(_readme_names()):
+    for name in sorted(_documented_names()):
         if name.startswith("_") or name in torchclip.__all__:  # (private modules, in the layout table)
             continue
         if name in _SUBMODULES_IMPORTED_ON_USE:
-            importlib.import_module(f"torchclip.{name}")  # (raises if the README names a module that is gone)
+            importlib.import_module(f"torchclip.{name}")  # (raises if the page names a module that is gone)
             continue
         stray.append(name)
-    assert not stray, f"README.md names torchclip.{stray} but torchclip.__all__ does not export them"
+    assert not stray, f"docs/reference.md names torchclip.{stray} but torchclip.__all__ does not export them"
 
 
 def test_not_a_tensor_error_is_what_the_drop_ins_raise():

@@ -38,7 +38,7 @@ from torchclip.tf_names import clip_by_global_norm, clip_by_norm, clip_by_value,
 
 __version__ = "0.1.0"
 
-# What the README's API table documents, no more (tests/test_public_api.py).
+# What the API reference's table documents (docs/reference.md), no more (tests/test_public_api.py).
 __all__ = [
     "ClipGradBase",
     "ClipGradByGlobalNorm",

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -41,6 +42,9 @@ from torchclip._arguments import _number, _policy, _positive_finite
 from torchclip._gradients import Gradients, Route
 from torchclip.clip_base import ClipGradBase
 from torchclip.marks import exclude_from_clipping, gradient_clip_of, set_gradient_clip, set_need_clip
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "ClipGradBase",  # (torchclip/clip_base.py)
@@ -58,9 +62,24 @@ __all__ = [
 
 
 class ClipGradByValue(ClipGradBase):
-    """Clamp every gradient element to [min, max] (Paddle's paddle.nn.ClipGradByValue).
+    """Clamp every gradient element to [min, max] (Paddle's `paddle.nn.ClipGradByValue`).
 
-    min=None means min = -max, and then max must be > 0; min > max is an error. NaN stays NaN.
+    Called with parameters (`clip(model.parameters())`, clipped in place) or with Paddle's
+    `(param, grad)` pairs (clipped in place and returned, pairs whose grad is None dropped), or given as
+    `grad_clip=` to a `torchclip.optim` optimizer. NaN stays NaN. Unlike Paddle's, the gradients are
+    clipped in place (Paddle returns new tensors holding the same values).
+
+    Args:
+        max: the upper bound.
+        min: the lower bound; None means -max (then max must be > 0).
+
+    Raises:
+        ValueError: min > max, max <= 0 without min, or a NaN bound.
+        TypeError: a bound that is not a number.
+
+    Example:
+        >>> clip = torchclip.ClipGradByValue(max=1.0)
+        >>> clip(model.parameters())
     """
 
     def __init__(self, max: float, min: float | None = None):
@@ -88,11 +107,26 @@ class ClipGradByValue(ClipGradBase):
 
 
 class ClipGradByNorm(ClipGradBase):
-    """Clip each gradient by its own L2 norm (Paddle's paddle.nn.ClipGradByNorm).
+    """Clip each gradient by its own L2 norm (Paddle's `paddle.nn.ClipGradByNorm`).
 
     A gradient whose norm is <= clip_norm is unchanged; otherwise it is multiplied by clip_norm / norm.
     `last_norms` holds the last call's per-gradient norms (float64, before clipping) and
-    `last_clip_coef` the factors they were scaled by, on the gradients' device.
+    `last_clip_coef` the factors they were scaled by, on the gradients' device. The call forms are
+    `ClipGradByValue`'s.
+
+    Args:
+        clip_norm: the largest norm a gradient keeps, a finite number > 0.
+        nonfinite: what a NaN or inf norm does: "propagate" (scale by it, as Paddle), "raise" (a
+            RuntimeError, no gradient changed) or "skip" (no gradient changed; an optimizer hook skips
+            the step).
+
+    Raises:
+        ValueError: clip_norm <= 0, NaN or inf; an unknown `nonfinite`.
+
+    Example:
+        >>> clip = torchclip.ClipGradByNorm(clip_norm=1.0)
+        >>> clip(model.parameters())
+        >>> clip.last_norms  # each gradient's norm before clipping
     """
 
     def __init__(self, clip_norm: float, *, nonfinite: str = "propagate"):
@@ -161,6 +195,23 @@ class ClipGradByGlobalNorm(ClipGradBase):
     for float64 gradients), `last_norms` (each gradient's norm, float64; None for sharded gradients,
     whose per-tensor norms would cost another collective) and `last_clip_coef` (the factor every
     gradient was scaled by, 0-d float64: 1 when nothing was clipped).
+
+    Args:
+        clip_norm: the largest global norm allowed, a finite number > 0.
+        group_name: clips given by `set_gradient_clip` with one group name share one global norm.
+        auto_skip_clip: Paddle's flag; the scale is exactly 1 where it would skip, so no result changes.
+        nonfinite: what a NaN or inf norm does: "propagate", "raise" or "skip" (see `ClipGradByNorm`).
+        process_group: torchclip only: the gradients are this rank's shard of the group's; every rank
+            clips by the same global norm (see `torchclip.distributed`).
+
+    Raises:
+        ValueError: clip_norm <= 0, NaN or inf; an unknown `nonfinite`.
+        TypeError: a `group_name` that is not a str, an `auto_skip_clip` that is not a bool.
+
+    Example:
+        >>> optimizer = torchclip.optim.SGD(
+        ...     model.parameters(), lr=0.1, grad_clip=torchclip.ClipGradByGlobalNorm(clip_norm=1.0)
+        ... )
     """
 
     def __init__(
@@ -170,7 +221,7 @@ class ClipGradByGlobalNorm(ClipGradBase):
         auto_skip_clip: bool = False,
         *,
         nonfinite: str = "propagate",
-        process_group=None,
+        process_group: ProcessGroup | None = None,
     ):
         self.clip_norm = _positive_finite("clip_norm", clip_norm)
         self.nonfinite = _policy(nonfinite)

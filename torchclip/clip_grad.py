@@ -35,6 +35,7 @@ from __future__ import annotations
 import types
 import warnings
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -43,6 +44,10 @@ from typing_extensions import deprecated
 
 from torchclip import _ops, _shards, _sparse
 from torchclip._gradients import Gradients, Route
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 
 _tensor_or_tensors = Tensor | Iterable[Tensor]
 
@@ -114,17 +119,35 @@ def get_total_norm(
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
     *,
-    process_group=None,
+    process_group: ProcessGroup | None = None,
 ) -> Tensor:
     r"""The norm of an iterable of tensors, as if they were concatenated into one vector.
 
-    Drop-in for :func:`torch.nn.utils.get_total_norm`. The result has torch's dtype (the promotion of
-    the inputs' dtypes) and lives on the first tensor's device; an empty input gives ``tensor(0.)``.
-    ``norm_type`` may be any float torch accepts (``'inf'`` included); 1, 2 and inf take the fast
-    kernels. ``error_if_nonfinite=True`` raises when the norm is NaN or inf.
+    Drop-in for `torch.nn.utils.get_total_norm`, with its result: torch's dtype (the promotion of the
+    inputs' dtypes), on the first tensor's device; `tensor(0.)` for no tensors. Unlike torch's, the norm
+    is accumulated in float64, so it neither overflows nor underflows where the result's dtype holds it,
+    and sparse COO tensors are accepted.
 
-    ``process_group`` (torchclip only): the tensors are this rank's shard of the group's; the result
-    is the norm of all of them, the same on every rank (see torchclip.distributed).
+    Args:
+        tensors: a tensor, or an iterable of them (read once).
+        norm_type: the order p: any float torch accepts, `'inf'` included; 1, 2 and inf take the
+            fastest kernels.
+        error_if_nonfinite: raise when the norm is NaN or inf.
+        foreach: accepted for torch's signature; the fused kernels serve either way.
+        process_group: torchclip only: the tensors are this rank's shard of the group's; the result is
+            the norm of all of them, the same on every rank (one all_gather of one scalar).
+
+    Returns:
+        The total norm, a 0-d tensor.
+
+    Raises:
+        RuntimeError: `error_if_nonfinite` and a NaN or inf norm (torch's message).
+        TypeError: an item that is not a tensor (`NotATensorError`), a `norm_type` that is not a number.
+
+    Example:
+        >>> grads = [torch.ones(3), torch.ones(4, 4)]
+        >>> torchclip.get_total_norm(grads)
+        tensor(4.3589)
     """
     tensors = _readable(tensors)
     if process_group is None and not _ops.dynamo_is_tracing():
@@ -177,11 +200,25 @@ def clip_grads_with_norm_(
     total_norm: Tensor,
     foreach: bool | None = None,
 ) -> None:
-    r"""Scale the gradients of ``parameters`` by ``min(max_norm / (total_norm + 1e-6), 1)``, in place.
+    r"""Scale the gradients of `parameters` by `min(max_norm / (total_norm + 1e-6), 1)`, in place.
 
-    Drop-in for :func:`torch.nn.utils.clip_grads_with_norm_`: the coefficient is computed exactly as
-    torch computes it, in ``total_norm``'s dtype and on its device. A coefficient of exactly 1 writes
-    nothing on CPU.
+    Drop-in for `torch.nn.utils.clip_grads_with_norm_`: the coefficient is computed exactly as torch
+    computes it, in `total_norm`'s dtype and on its device. A coefficient of exactly 1 writes nothing.
+
+    Args:
+        parameters: a tensor, or an iterable of them, whose `.grad` is scaled (None is skipped).
+        max_norm: the largest norm allowed.
+        total_norm: the norm to clip by, a 0-d tensor (`get_total_norm`'s result).
+        foreach: accepted for torch's signature.
+
+    Raises:
+        TypeError: `total_norm` is not a tensor; an item is not a tensor (`NotATensorError`).
+        RuntimeError: `total_norm` is not 0-d.
+        ValueError: a gradient's shape is not its parameter's.
+
+    Example:
+        >>> norm = torchclip.get_total_norm([p.grad for p in model.parameters()])
+        >>> torchclip.clip_grads_with_norm_(model.parameters(), 1.0, norm)
     """
     parameters = _as_list(parameters)
     grads = _grads(parameters)
@@ -219,18 +256,39 @@ def clip_grad_norm_(
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
     *,
-    process_group=None,
+    process_group: ProcessGroup | None = None,
 ) -> Tensor:
     r"""Clip the gradient norm of an iterable of parameters, in place; return the total norm.
 
-    Drop-in for :func:`torch.nn.utils.clip_grad_norm_`: the norm of all gradients viewed as one vector,
-    then every gradient multiplied by ``min(max_norm / (total_norm + 1e-6), 1)``. On CPU the norm, the
-    check and the scaling are one native call, the coefficient comes from the float64 norm, and the
-    write pass is skipped when no clipping is needed. See the module docstring for where this is more
-    accurate than torch.
+    Drop-in for `torch.nn.utils.clip_grad_norm_`: the norm of all gradients viewed as one vector, then
+    every gradient multiplied by `min(max_norm / (total_norm + 1e-6), 1)`. The norm, the check and the
+    scaling are one native call; the write pass is skipped when no clipping is needed. Where it differs
+    from torch, it is more accurate: the norm accumulates in float64 and the coefficient comes from it,
+    so float32 gradients of 1e20 and float16 gradients whose norm exceeds 65504 are clipped correctly
+    (torch zeroes them); sparse COO gradients are clipped (torch raises).
 
-    ``process_group`` (torchclip only): the parameters are this rank's shard; every rank gets the
-    global norm and clips with the same coefficient, at the cost of one all_gather of one scalar.
+    Args:
+        parameters: a tensor, or an iterable of them (`model.parameters()`, read once) whose `.grad`
+            is clipped; gradients that are None are skipped.
+        max_norm: the largest total norm allowed. Values torch accepts keep torch's meaning (a negative
+            one flips the gradients' sign, as torch's does).
+        norm_type: the order p of the norm, `'inf'` included.
+        error_if_nonfinite: raise, with no gradient changed, when the norm is NaN or inf.
+        foreach: accepted for torch's signature.
+        process_group: torchclip only: the parameters are this rank's shard; every rank gets the global
+            norm and clips with the same coefficient, at the cost of one all_gather of one scalar.
+
+    Returns:
+        The total norm of the gradients before clipping, a 0-d tensor in their promoted dtype.
+
+    Raises:
+        RuntimeError: `error_if_nonfinite` and a NaN or inf norm.
+        TypeError: an item that is not a tensor (`NotATensorError`); `max_norm` or `norm_type` not a number.
+        ValueError: a gradient's shape is not its parameter's.
+
+    Example:
+        >>> loss.backward()
+        >>> total_norm = torchclip.clip_grad_norm_(model.parameters(), max_norm=1.0)
     """
     given = parameters
     parameters = _readable(parameters)
@@ -285,7 +343,10 @@ def clip_grad_norm(
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
 ) -> Tensor:
-    r"""Deprecated alias of :func:`clip_grad_norm_` (warns with a FutureWarning, as torch's does)."""
+    r"""Deprecated alias of `clip_grad_norm_`, which it calls with the same arguments.
+
+    Warns with a FutureWarning, as `torch.nn.utils.clip_grad_norm` does.
+    """
     return clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
 
 
@@ -294,10 +355,24 @@ def clip_grad_value_(
     clip_value: float,
     foreach: bool | None = None,
 ) -> None:
-    r"""Clamp every gradient to ``[-clip_value, clip_value]``, in place.
+    r"""Clamp every gradient to `[-clip_value, clip_value]`, in place.
 
-    Drop-in for :func:`torch.nn.utils.clip_grad_value_`, in one read-write pass on CPU (torch makes two).
-    Parameters without gradients are skipped; if none has one, nothing happens.
+    Drop-in for `torch.nn.utils.clip_grad_value_`, in one read-write pass (torch makes two). Where it
+    differs from torch: with every gradient None it does nothing (torch raises an internal error), a
+    `clip_value` beyond float16's range clamps float16 gradients as the maths says, and sparse COO
+    gradients are clamped after summing their duplicates.
+
+    Args:
+        parameters: a tensor, or an iterable of them, whose `.grad` is clamped; None is skipped.
+        clip_value: the bound. A negative one sets every gradient to it, as torch's does.
+        foreach: accepted for torch's signature.
+
+    Raises:
+        TypeError: an item that is not a tensor (`NotATensorError`); `clip_value` not a number.
+        RuntimeError: a bool or complex gradient.
+
+    Example:
+        >>> torchclip.clip_grad_value_(model.parameters(), clip_value=0.5)
     """
     parameters = _readable(parameters)
     if not _ops.dynamo_is_tracing() and _ops.clip_grad_value_of_plain(parameters, clip_value):

@@ -350,11 +350,20 @@ def with_grad_clip(optimizer_class: type) -> type:
 
 
 SGD = with_grad_clip(torch.optim.SGD)
+"""`torch.optim.SGD` taking `grad_clip=` (or Keras' `clipnorm=`, `clipvalue=`, `global_clipnorm=`)."""
 Adam = with_grad_clip(torch.optim.Adam)
+"""`torch.optim.Adam` taking `grad_clip=` (or Keras' `clipnorm=`, `clipvalue=`, `global_clipnorm=`)."""
 AdamW = with_grad_clip(torch.optim.AdamW)
+"""`torch.optim.AdamW` taking `grad_clip=` (or Keras' `clipnorm=`, `clipvalue=`, `global_clipnorm=`)."""
 RMSprop = with_grad_clip(torch.optim.RMSprop)
+"""`torch.optim.RMSprop` taking `grad_clip=` (or Keras' `clipnorm=`, `clipvalue=`, `global_clipnorm=`)."""
 Adagrad = with_grad_clip(torch.optim.Adagrad)
+"""`torch.optim.Adagrad` taking `grad_clip=` (or Keras' `clipnorm=`, `clipvalue=`, `global_clipnorm=`)."""
 Adamax = with_grad_clip(torch.optim.Adamax)
+"""`torch.optim.Adamax` taking `grad_clip=` (or Keras' `clipnorm=`, `clipvalue=`, `global_clipnorm=`)."""
 NAdam = with_grad_clip(torch.optim.NAdam)
+"""`torch.optim.NAdam` taking `grad_clip=` (or Keras' `clipnorm=`, `clipvalue=`, `global_clipnorm=`)."""
 RAdam = with_grad_clip(torch.optim.RAdam)
+"""`torch.optim.RAdam` taking `grad_clip=` (or Keras' `clipnorm=`, `clipvalue=`, `global_clipnorm=`)."""
 Adadelta = with_grad_clip(torch.optim.Adadelta)
+"""`torch.optim.Adadelta` taking `grad_clip=` (or Keras' `clipnorm=`, `clipvalue=`, `global_clipnorm=`)."""
