@@ -52,7 +52,7 @@ bool no_mode_intercepts() {
 
 // Paddle's ParamAttr(need_clip=False), as torchclip marks it: a `need_clip` attribute that is False.
 // Looked up without raising AttributeError for the (usual) parameters that have none.
-bool need_clip(PyObject* param) {
+C10_ALWAYS_INLINE bool need_clip(PyObject* param) {
   static PyObject* const name = PyUnicode_InternFromString("need_clip");
   PyObject* value = nullptr;
 #if PY_VERSION_HEX >= 0x030D0000
@@ -69,29 +69,6 @@ bool need_clip(PyObject* param) {
   const bool excluded = value == Py_False;
   Py_DECREF(value);
   return !excluded;
-}
-
-// Whether looking up `need_clip` on every item runs no Python code: each item's type reads attributes
-// generically (no __getattr__ / __getattribute__) and holds no descriptor of that name (a property).
-// Then the lookups cannot change the list or free an item, and the walk need not own the items.
-bool need_clip_lookups_run_no_python(PyObject* const* elements, Py_ssize_t count) {
-  static PyObject* const name = PyUnicode_InternFromString("need_clip");
-  PyTypeObject* checked = nullptr;  // the items share one or two types: each is checked once in a row
-  for (Py_ssize_t i = 0; i < count; ++i) {
-    PyTypeObject* type = Py_TYPE(elements[i]);
-    if (type == checked) {
-      continue;
-    }
-    if (type->tp_getattro != PyObject_GenericGetAttr) {
-      return false;
-    }
-    PyObject* on_type = _PyType_Lookup(type, name);  // (borrowed; runs no Python code)
-    if (on_type != nullptr && Py_TYPE(on_type)->tp_descr_get != nullptr) {
-      return false;
-    }
-    checked = type;
-  }
-  return true;
 }
 
 // The items of a walk: a list or tuple as it is, or one tensor. Nothing for any other iterable, a
@@ -355,10 +332,11 @@ std::optional<c10::Device> first_device(const Items& items, bool take_grad) {
   return c10::Device(c10::kCPU);
 }
 
-// The need_clip marks where a lookup may run Python code (a property) that could empty the list and
-// free an item still to be read: the items are owned meanwhile. False when the list changed meanwhile
-// (the general path, which holds its own references, then walks it).
-bool read_need_clip_owning_items(PyObject* object, PyObject* const* elements, Py_ssize_t count, uint8_t* excluded) {
+// The need_clip marks, into excluded[i]; false where an item is not an exact tensor object or the list
+// changed meanwhile (the general path, which holds its own references, then walks it). Any lookup may run
+// Python code (a property, a __getattr__, even a key's __eq__ in the instance dict) that could empty the
+// list and free an item still to be read: the items are owned until every lookup is done.
+bool read_need_clip(PyObject* object, PyObject* const* elements, Py_ssize_t count, uint8_t* excluded) {
   struct OwnedItems {
     std::vector<PyObject*> items;
     ~OwnedItems() {
@@ -371,6 +349,9 @@ bool read_need_clip_owning_items(PyObject* object, PyObject* const* elements, Py
     Py_INCREF(item);
   }
   for (Py_ssize_t i = 0; i < count; ++i) {
+    if (!THPVariable_CheckExact(owned.items[i])) {
+      return false;
+    }
     excluded[i] = !need_clip(owned.items[i]);
   }
   const std::optional<Items> after = items_of(object);
@@ -452,17 +433,8 @@ bool GatheredTensors::walk(PyObject* object, bool take_grad, bool honor_need_cli
   // change the list itself: then the list is walked by the general path, which holds its own references.
   std::unique_ptr<uint8_t[]> excluded;
   if (honor_need_clip) {
-    for (Py_ssize_t i = 0; i < count; ++i) {
-      if (!THPVariable_CheckExact(elements[i])) {
-        return false;
-      }
-    }
     excluded.reset(new uint8_t[count]);
-    if (need_clip_lookups_run_no_python(elements, count)) {
-      for (Py_ssize_t i = 0; i < count; ++i) {
-        excluded[i] = !need_clip(elements[i]);
-      }
-    } else if (!read_need_clip_owning_items(object, elements, count, excluded.get())) {
+    if (!read_need_clip(object, elements, count, excluded.get())) {
       return false;
     }
     listed = items_of(object);  // (Python code may have moved a list's item array)
