@@ -30,9 +30,9 @@ from torchclip.clip_grad import (
     clip_grad_value_,
     clip_grads_with_norm_,
     get_total_norm,
-    patch,
 )
 from torchclip.marks import exclude_from_clipping, set_gradient_clip, set_need_clip
+from torchclip.patching import patch
 from torchclip.stats import grad_norm
 from torchclip.tf_names import clip_by_global_norm, clip_by_norm, clip_by_value, global_norm
 

@@ -53,15 +53,36 @@ def _kernel_library_path(capability: str) -> str:
 
 
 def cpu_capabilities() -> list[str]:
-    """The CPU kernel libraries that were built and that this CPU can run, weakest first."""
+    """The CPU kernel libraries that were built and that this CPU can run, weakest first.
+
+    Returns:
+        A list of names from 'DEFAULT', 'AVX2', 'AVX512'.
+
+    Example:
+        >>> torchclip.cpu_capabilities()
+        ['DEFAULT', 'AVX2', 'AVX512']
+    """
     return [c for c in _C.cpu_capabilities_built() if _C.cpu_runs(c)]
 
 
 def set_cpu_capability(capability: str) -> str:
-    """Switch every CPU op to the kernel library for `capability` ('DEFAULT', 'AVX2' or 'AVX512').
+    """Switch every CPU op to the kernel library for `capability`, live.
 
     The default is the best one this CPU runs, capped by torch's own choice (so ATEN_CPU_CAPABILITY
-    caps torchclip too); TORCHCLIP_CPU_CAPABILITY overrides it at import. Returns the name loaded.
+    caps torchclip too); TORCHCLIP_CPU_CAPABILITY overrides it at import.
+
+    Args:
+        capability: 'DEFAULT', 'AVX2' or 'AVX512' (any case).
+
+    Returns:
+        The name of the library loaded.
+
+    Raises:
+        ValueError: an unknown name, a library that was not built, or one this CPU cannot run.
+
+    Example:
+        >>> torchclip.set_cpu_capability("AVX2")
+        'AVX2'
     """
     name = str(capability).upper()
     if name not in _CAPABILITY_ORDER:
@@ -76,7 +97,7 @@ def set_cpu_capability(capability: str) -> str:
 
 
 def get_cpu_capability() -> str:
-    """The instruction set of the CPU kernel library in use."""
+    """The instruction set of the CPU kernel library in use: 'DEFAULT', 'AVX2' or 'AVX512'."""
     return _C.loaded_cpu_capability()
 
 

@@ -4,7 +4,7 @@ in `generation()`, which the optimizer hook's cached plan compares."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -29,9 +29,27 @@ def generation() -> int:
     return _generation
 
 
-def set_need_clip(target, need_clip: bool) -> int:
-    """Mark parameters (a module's, an iterable's, or one) as clipped or not, as Paddle's
-    ParamAttr(need_clip=...). Returns how many were marked."""
+def set_need_clip(target: torch.nn.Module | Tensor | Iterable[Tensor], need_clip: bool) -> int:
+    """Mark parameters as clipped or not, as Paddle's `ParamAttr(need_clip=...)`.
+
+    A parameter marked False is neither clipped nor counted in a global norm by every clip class and
+    optimizer hook; the drop-ins (`clip_grad_norm_`, ...) ignore marks, as torch's do. Paddle sets the
+    mark when a parameter is made; here it is an attribute, `param.need_clip`, set at any time.
+
+    Args:
+        target: a Module (its parameters), an iterable of parameters, or one.
+        need_clip: True to clip, False to leave out.
+
+    Returns:
+        How many parameters were marked.
+
+    Raises:
+        TypeError: `need_clip` is not a bool; `target` is a mapping, a str or holds something other than
+            tensors.
+
+    Example:
+        >>> torchclip.set_need_clip(model.fc, False)  # the classifier is left out of clipping
+    """
     if not isinstance(need_clip, bool):
         raise TypeError(f"need_clip must be a bool, got {need_clip!r}")
     params = _checked_parameters(
@@ -53,8 +71,25 @@ _NORM_LAYERS = (
 
 
 def exclude_from_clipping(module: torch.nn.Module, *, biases: bool = True, norm_layers: bool = True) -> int:
-    """Set need_clip = False on every bias and/or every parameter of a normalisation layer of
-    `module` (a common choice for weight decay and clipping alike). Returns how many were marked."""
+    """Leave every bias and every normalisation layer's parameters out of clipping (`need_clip = False`).
+
+    The usual exclusion for weight decay, and for AGC (NFNets): batch, layer, group, RMS and local
+    response norm layers. torchclip's own helper; Paddle marks parameters one by one.
+
+    Args:
+        module: the model.
+        biases: mark every parameter named `bias`.
+        norm_layers: mark every parameter of a normalisation layer.
+
+    Returns:
+        How many parameters were marked.
+
+    Raises:
+        TypeError: `module` is not a Module, or a flag is not a bool.
+
+    Example:
+        >>> torchclip.exclude_from_clipping(model)
+    """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     for name, flag in (("biases", biases), ("norm_layers", norm_layers)):
@@ -77,15 +112,31 @@ def exclude_from_clipping(module: torch.nn.Module, *, biases: bool = True, norm_
 _default_clip: ClipGradBase | None = None
 
 
-def set_gradient_clip(clip: ClipGradBase, param_list=None, program: torch.nn.Module | None = None) -> None:
-    """Set a default clip for parameters (Paddle's fluid.clip.set_gradient_clip).
+def set_gradient_clip(
+    clip: ClipGradBase | None,
+    param_list: torch.nn.Module | Tensor | Iterable[Tensor] | Iterable[str] | None = None,
+    program: torch.nn.Module | None = None,
+) -> None:
+    """Set a default clip for parameters (Paddle's `fluid.clip.set_gradient_clip`).
 
-    param_list: parameters (an iterable, one tensor, or a Module's), or their names resolved in `program`
-    (the nn.Module that owns them, since torch has no global program); None means all of `program`'s
-    parameters, or, with no program, every parameter an optimizer hook meets. ClipGradByGlobalNorm clips
-    set this way that share a group_name compute one global norm and must share clip_norm (Paddle's rule:
-    a ValueError at the step otherwise). An optimizer's own grad_clip takes precedence, with a warning (Paddle's fourth
-    example). clip=None clears the defaults set for those parameters.
+    An optimizer hook (`torchclip.optim`) clips a parameter with its param group's clip, else the
+    optimizer's `grad_clip`, else this one. ClipGradByGlobalNorm clips set this way that share a
+    group_name compute one global norm and must share clip_norm (Paddle's rule: a ValueError at the step
+    otherwise). An optimizer's own grad_clip takes precedence, with a warning (Paddle's fourth example).
+
+    Args:
+        clip: the clip; None clears the defaults set for those parameters.
+        param_list: parameters (an iterable, one tensor, or a Module's), or their names resolved in
+            `program`; None means all of `program`'s parameters, or, with no program, every parameter an
+            optimizer hook meets.
+        program: the Module that owns the named parameters (torch has no global program).
+
+    Raises:
+        TypeError: `clip` is not a clip, `program` not a Module, or `param_list` mixes names and tensors.
+        ValueError: a name `program` has no parameter for, or names without a `program`.
+
+    Example:
+        >>> torchclip.set_gradient_clip(torchclip.ClipGradByGlobalNorm(1.0), ["fc.weight"], program=model)
     """
     global _default_clip
     if clip is not None and not isinstance(clip, ClipGradBase):

@@ -266,10 +266,27 @@ def _restore_clips(optimizer):
 
 
 def attach(optimizer: torch.optim.Optimizer, grad_clip: ClipGradBase | None = None) -> _Attachment:
-    """Clip gradients before every optimizer.step(); returns a handle whose remove() detaches it.
+    """Clip gradients before every `optimizer.step()` of an optimizer that already exists.
 
-    grad_clip is the optimizer-wide clip; param groups may carry their own under 'grad_clip'; with
-    neither, set_gradient_clip's defaults apply.
+    Paddle configures clipping on the optimizer; this adds it to any torch optimizer instance. The clip
+    runs inside step(): after a closure made the gradients, on unscaled gradients under GradScaler, and
+    folded into the kernel of torch's fused steps where one ClipGradByGlobalNorm serves every parameter.
+
+    Args:
+        optimizer: the optimizer.
+        grad_clip: the optimizer-wide clip; param groups may carry their own under 'grad_clip'; with
+            neither, set_gradient_clip's defaults apply.
+
+    Returns:
+        A handle: `remove()` detaches it, `enabled = False` pauses it, `skipped_steps` counts the steps a
+        clip refused (a NaN or inf norm under nonfinite="skip", a SkipStepOnSpike spike).
+
+    Raises:
+        TypeError: grad_clip is not a clip.
+
+    Example:
+        >>> handle = torchclip.optim.attach(optimizer, torchclip.ClipGradByGlobalNorm(1.0))
+        >>> handle.remove()
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -304,8 +321,19 @@ def _keras_clip(grad_clip, **keras) -> ClipGradBase | None:
 
 @functools.cache
 def with_grad_clip(optimizer_class: type) -> type:
-    """A subclass of `optimizer_class` whose constructor takes Paddle's grad_clip= keyword, or one of
-    Keras 3's clipnorm=, clipvalue=, global_clipnorm=."""
+    """A subclass of `optimizer_class` whose constructor takes `grad_clip=` (Paddle) or Keras 3's
+    `clipnorm=`, `clipvalue=`, `global_clipnorm=`.
+
+    Args:
+        optimizer_class: any torch.optim.Optimizer subclass.
+
+    Returns:
+        The subclass, of the same name; its instances have `grad_clip` and `grad_clip_attachment`.
+
+    Example:
+        >>> ClippedLion = torchclip.optim.with_grad_clip(Lion)
+        >>> optimizer = ClippedLion(model.parameters(), lr=1e-4, global_clipnorm=1.0)
+    """
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
 

@@ -12,14 +12,27 @@ __all__ = ["grad_norm"]
 
 
 def grad_norm(module: torch.nn.Module, norm_type: float | str, group_separator: str = "/") -> dict[str, Tensor]:
-    """Each parameter's gradient norm and their total: a drop-in for Lightning's
-    `lightning.pytorch.utilities.grad_norm`, with its keys (`grad_{p}_norm{sep}{name}` and
-    `grad_{p}_norm_total`, p as a float) and values.
+    """Each parameter's gradient norm and their total, for logging: Lightning's `grad_norm`.
 
-    Lightning runs one norm per parameter and reads each back to the host to build the total; here one
-    fused pass computes every norm (accumulated in float64) and the total, and one device-to-host copy
-    brings them back. Values are 0-d CPU tensors, each in its gradient's (real) dtype (the total in
-    the gradients' promoted dtype), ready for `self.log_dict(...)` without further syncs.
+    A drop-in for `lightning.pytorch.utilities.grad_norm`, with its keys and values. Lightning runs one
+    norm per parameter and reads each back to the host to build the total; here one fused pass computes
+    every norm (accumulated in float64) and the total, and one device-to-host copy brings them back.
+
+    Args:
+        module: the model; parameters without a gradient are left out.
+        norm_type: the order p, a number > 0 or 'inf'.
+        group_separator: between the prefix and the parameter's name in each key.
+
+    Returns:
+        `{"grad_{p}_norm{sep}{name}": norm, ..., "grad_{p}_norm_total": total}` (p as a float), 0-d CPU
+        tensors, each in its gradient's (real) dtype (the total in the gradients' promoted dtype).
+
+    Raises:
+        TypeError: module is not a Module; group_separator is not a str.
+        ValueError: norm_type is not a number > 0 (Lightning's message).
+
+    Example:
+        >>> self.log_dict(torchclip.grad_norm(self, norm_type=2))  # in on_before_optimizer_step
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")

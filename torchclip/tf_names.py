@@ -61,9 +61,27 @@ def _scaled(t: Tensor, factor: Tensor) -> Tensor:
     return (t * factor.to(t.device, _math_dtype(t.dtype))).to(t.dtype)
 
 
-def clip_by_value(t: Tensor, clip_value_min, clip_value_max) -> Tensor:
-    """tf.clip_by_value: t's elements limited to [clip_value_min, clip_value_max], as a new tensor of
-    t's dtype. The bounds are numbers or tensors that broadcast against t; NaN elements stay NaN."""
+def clip_by_value(t: Tensor, clip_value_min: float | Tensor, clip_value_max: float | Tensor) -> Tensor:
+    """`tf.clip_by_value`: t's elements limited to [clip_value_min, clip_value_max], as a new tensor.
+
+    Out of place and differentiable, as TensorFlow's. Unlike TensorFlow, min > max is an error.
+
+    Args:
+        t: the tensor (real).
+        clip_value_min: the lower bound, a number or a tensor that broadcasts against t.
+        clip_value_max: the upper bound, likewise.
+
+    Returns:
+        A new tensor of t's dtype; NaN elements stay NaN.
+
+    Raises:
+        TypeError: t is not a tensor, or is complex; a bound is neither a number nor a tensor.
+        ValueError: a number bound min > max.
+
+    Example:
+        >>> torchclip.clip_by_value(torch.tensor([-2.0, 0.5, 3.0]), -1.0, 1.0)
+        tensor([-1.0000,  0.5000,  1.0000])
+    """
     _tensor("t", t)
     if t.is_complex():
         raise TypeError(f"clip_by_value: t has dtype {t.dtype}; clipping by value needs real numbers")
@@ -95,10 +113,29 @@ def _axes(axes, ndim: int) -> tuple[int, ...] | None:
     return tuple(a % max(ndim, 1) for a in items)
 
 
-def clip_by_norm(t: Tensor, clip_norm, axes=None) -> Tensor:
-    """tf.clip_by_norm: t * clip_norm / max(||t||, clip_norm), a new tensor of t's dtype. With `axes`
-    (an int or list of ints), the L2 norms are taken over those dimensions, one per remaining slice,
-    and each slice is clipped by its own. A zero tensor stays zero."""
+def clip_by_norm(t: Tensor, clip_norm: float | Tensor, axes: int | Sequence[int] | None = None) -> Tensor:
+    """`tf.clip_by_norm`: t * clip_norm / max(||t||, clip_norm), a new tensor of t's dtype.
+
+    The norm accumulates in float64 (TensorFlow's, in t's dtype, overflows for float32 norms above
+    1.8e19). Out of place and differentiable.
+
+    Args:
+        t: the tensor (floating point or complex).
+        clip_norm: the largest norm, a number or a 0-d tensor, finite and > 0.
+        axes: None for the whole tensor's L2 norm; an int or list of ints: the norms over those
+            dimensions, one per remaining slice, each slice clipped by its own.
+
+    Returns:
+        A new tensor of t's dtype; a zero tensor stays zero.
+
+    Raises:
+        TypeError: t is not a tensor, or is an integer tensor.
+        ValueError: clip_norm <= 0 or not finite; an axis out of range.
+
+    Example:
+        >>> torchclip.clip_by_norm(torch.tensor([3.0, 4.0]), 1.0)
+        tensor([0.6000, 0.8000])
+    """
     _tensor("t", t)
     clip_norm = _clip_norm("clip_norm", clip_norm)
     if not (t.is_floating_point() or t.is_complex()):
@@ -133,20 +170,53 @@ def _global_norm64(tensors: list[Tensor]) -> Tensor:
     return torch.linalg.vector_norm(Gradients(tensors).tensor_norms(), 2.0)
 
 
-def global_norm(t_list) -> Tensor:
-    """tf.linalg.global_norm: sqrt(sum of ||t||^2) over the tensors of t_list (None entries ignored), a
-    0-d tensor in their (real) dtype; 0 when there are none."""
+def global_norm(t_list: Sequence[Tensor | None]) -> Tensor:
+    """`tf.linalg.global_norm`: sqrt(sum of ||t||^2) over the tensors of t_list.
+
+    Args:
+        t_list: a list or tuple of tensors; None entries are ignored.
+
+    Returns:
+        A 0-d tensor in the tensors' promoted (real) dtype, accumulated in float64; 0 when there are none.
+
+    Raises:
+        TypeError: t_list is not a sequence, or holds something other than tensors and None.
+
+    Example:
+        >>> torchclip.global_norm([torch.tensor([3.0]), None, torch.tensor([4.0])])
+        tensor(5.)
+    """
     tensors, _ = _tensors_of(t_list)
     if not tensors:
         return torch.tensor(0.0)
     return _global_norm64(tensors).to(_ops.total_norm_dtype(tensors))
 
 
-def clip_by_global_norm(t_list, clip_norm, use_norm=None) -> tuple[list[Tensor | None], Tensor]:
-    """tf.clip_by_global_norm: (list_clipped, global_norm). Each tensor times
-    clip_norm / max(global_norm, clip_norm); None entries stay None in their place; a NaN or inf
-    global norm makes every clipped tensor NaN, as TensorFlow does. `use_norm` (a number or 0-d
-    tensor) is taken as the global norm instead of computing it, and returned as it was given."""
+def clip_by_global_norm(
+    t_list: Sequence[Tensor | None], clip_norm: float | Tensor, use_norm: float | Tensor | None = None
+) -> tuple[list[Tensor | None], Tensor]:
+    """`tf.clip_by_global_norm`: every tensor times clip_norm / max(global_norm, clip_norm).
+
+    Out of place and differentiable; where nothing needs a gradient, one fused norm pass and one scaled
+    copy per dtype. A NaN or inf global norm makes every clipped tensor NaN, as TensorFlow does.
+
+    Args:
+        t_list: a list or tuple of tensors; None entries stay None in their place.
+        clip_norm: the largest global norm, a number or a 0-d tensor, finite and > 0.
+        use_norm: a number or 0-d tensor taken as the global norm instead of computing it.
+
+    Returns:
+        (list_clipped, global_norm): the new tensors, and the global norm (use_norm as it was given).
+
+    Raises:
+        TypeError: t_list is not a sequence of tensors and None; use_norm is not a number or tensor.
+        ValueError: clip_norm <= 0 or not finite; use_norm not 0-d.
+
+    Example:
+        >>> clipped, norm = torchclip.clip_by_global_norm([torch.tensor([3.0]), torch.tensor([4.0])], 1.0)
+        >>> norm
+        tensor(5.)
+    """
     tensors, positions = _tensors_of(t_list)
     clip_norm = _clip_norm("clip_norm", clip_norm)
     if use_norm is not None and not (isinstance(use_norm, (int, float, Tensor)) and not isinstance(use_norm, bool)):
