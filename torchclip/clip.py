@@ -377,7 +377,14 @@ def _predicate(need_clip):
 
 
 class GradientClipByValue(ClipGradByValue):
-    """fluid.clip.GradientClipByValue: ClipGradByValue plus a need_clip(param) -> bool predicate."""
+    """`fluid.clip.GradientClipByValue`: ClipGradByValue plus a need_clip predicate.
+
+    Args:
+        max: the upper bound.
+        min: the lower bound; None means -max.
+        need_clip: a function of a parameter, True to clip its gradient; None clips every one. A
+            parameter is clipped only when its `need_clip` mark (default True) and this both allow it.
+    """
 
     def __init__(self, max: float, min: float | None = None, need_clip: Callable[[Tensor], bool] | None = None):
         super().__init__(max, min)
@@ -385,7 +392,12 @@ class GradientClipByValue(ClipGradByValue):
 
 
 class GradientClipByNorm(ClipGradByNorm):
-    """fluid.clip.GradientClipByNorm: ClipGradByNorm plus a need_clip(param) -> bool predicate."""
+    """`fluid.clip.GradientClipByNorm`: ClipGradByNorm plus a need_clip predicate.
+
+    Args:
+        clip_norm: the largest norm a gradient keeps.
+        need_clip: a function of a parameter, True to clip its gradient; None clips every one.
+    """
 
     def __init__(self, clip_norm: float, need_clip: Callable[[Tensor], bool] | None = None):
         super().__init__(clip_norm)
@@ -393,7 +405,13 @@ class GradientClipByNorm(ClipGradByNorm):
 
 
 class GradientClipByGlobalNorm(ClipGradByGlobalNorm):
-    """fluid.clip.GradientClipByGlobalNorm: ClipGradByGlobalNorm plus a need_clip predicate."""
+    """`fluid.clip.GradientClipByGlobalNorm`: ClipGradByGlobalNorm plus a need_clip predicate.
+
+    Args:
+        clip_norm: the largest global norm allowed.
+        group_name: clips given by `set_gradient_clip` with one group name share one global norm.
+        need_clip: a function of a parameter, True to clip (and count) its gradient; None: every one.
+    """
 
     def __init__(
         self, clip_norm: float, group_name: str = "default_group", need_clip: Callable[[Tensor], bool] | None = None

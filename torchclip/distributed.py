@@ -21,6 +21,7 @@ pieces' p-norms (a sum of counts for p = 0), so one combine works for every norm
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -32,8 +33,22 @@ from torchclip import _ops
 _REPLICATED = "torchclip_replicated"
 
 
-def set_replicated(params, replicated: bool = True) -> int:
-    """Mark parameters (a module's, an iterable's, or one) as replicated on every rank."""
+def set_replicated(params: torch.nn.Module | Tensor | Iterable[Tensor], replicated: bool = True) -> int:
+    """Mark parameters as replicated on every rank, for hand-sharded clipping (`process_group=`).
+
+    Biases and norms under tensor parallelism, shared embeddings: every rank holds them whole, so only
+    the group's first rank counts them in the global norm; every rank clips its own copy.
+
+    Args:
+        params: a Module (its parameters), an iterable of parameters, or one.
+        replicated: True to mark, False to unmark.
+
+    Returns:
+        How many parameters were marked.
+
+    Example:
+        >>> torchclip.distributed.set_replicated([layer.bias for layer in model.layers])
+    """
     if isinstance(params, torch.nn.Module):
         params = list(params.parameters())
     elif isinstance(params, Tensor):
@@ -192,12 +207,30 @@ def dtensor_shards(grads: list[Tensor]) -> Shards | None:
     return Shards([g._local_tensor for g in grads], counted, groups, aligned=True)
 
 
-def global_norms(parameters, norm_type: float = 2.0, *, process_group=None) -> tuple[Tensor, Tensor]:
-    """(total norm, per-gradient norms) of sharded gradients, for logging: float64 on the CPU, the same
-    on every rank, from one all_gather of one value per gradient. The parameters' gradients are
-    DTensors, or, with process_group, this rank's pieces of the same gradients as every other rank's,
-    in the same order (an empty piece where a rank holds none). Parameters without a gradient are
-    skipped."""
+def global_norms(
+    parameters: Tensor | Iterable[Tensor], norm_type: float = 2.0, *, process_group: dist.ProcessGroup | None = None
+) -> tuple[Tensor, Tensor]:
+    """(total norm, per-gradient norms) of sharded gradients, for logging.
+
+    Float64 on the CPU, the same on every rank, from one all_gather of one value per gradient.
+
+    Args:
+        parameters: parameters whose gradients are DTensors, or, with process_group, this rank's pieces
+            of the same gradients as every other rank's, in the same order (an empty piece where a rank
+            holds none); parameters without a gradient are skipped.
+        norm_type: the norm's order p.
+        process_group: the group the pieces are spread over; None for DTensor gradients.
+
+    Returns:
+        (the total norm, each gradient's norm).
+
+    Raises:
+        ValueError: without process_group, gradients that are not DTensors with Shard or Replicate
+            placements.
+
+    Example:
+        >>> total, per_tensor = torchclip.distributed.global_norms(model.parameters())
+    """
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
     params = [p for p in params if p.grad is not None]
     grads = [p.grad for p in params]

@@ -51,6 +51,21 @@ class ClipGradByNormEMA(_StatefulClip):
     scaled, no threshold or step count moves, `found_nonfinite` is set and an optimizer hook skips the
     step. "raise" raises a RuntimeError before any change. "skip" and "raise" read one flag per call on
     the host (on a GPU, a sync).
+
+    Args:
+        lambda_rel: after warm-up, each gradient is clipped to lambda_rel times its threshold (> 0).
+        beta: the thresholds' EMA coefficient, in [0, 1).
+        warmup_steps: calls of global clipping first (>= 0).
+        lambda_abs: the global norm bound during warm-up (> 0).
+        nonfinite: "propagate", "skip" or "raise", as above.
+
+    Raises:
+        ValueError: a number out of its range; an unknown `nonfinite`.
+        TypeError: an argument of the wrong type.
+
+    Example:
+        >>> clip = torchclip.ClipGradByNormEMA(warmup_steps=100)
+        >>> optimizer = torchclip.optim.AdamW(model.parameters(), lr=1e-3, grad_clip=clip)
     """
 
     def __init__(

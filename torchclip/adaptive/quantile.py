@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -23,6 +24,9 @@ from torchclip.adaptive._state import (
     _targets_and_norms,
     _to_device,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class _SortedWindow:
@@ -83,6 +87,22 @@ class ClipGradByQuantile(_StatefulClip):
     hook skips the step. "raise" raises a RuntimeError before any change. Choose "skip" where NaN steps
     are routine (clipping after `scaler.unscale_()`); it reads one flag per call on the host (on a GPU,
     a sync).
+
+    Args:
+        quantile: which quantile of the history is the threshold, in [0, 1].
+        history_length: how many past norms each history keeps (>= 1).
+        global_threshold: one history of the global norm (True) or one per parameter (False).
+        nonfinite: "propagate", "skip" or "raise", as above.
+        process_group: hand-sharded gradients (needs global_threshold=True): every rank takes the
+            same global norm (see `torchclip.distributed`).
+
+    Raises:
+        ValueError: a number out of its range; process_group without global_threshold.
+        TypeError: an argument of the wrong type.
+
+    Example:
+        >>> clip = torchclip.ClipGradByQuantile(quantile=0.9, history_length=1000)
+        >>> clip(model.parameters())
     """
 
     def __init__(
@@ -92,7 +112,7 @@ class ClipGradByQuantile(_StatefulClip):
         global_threshold: bool = False,
         *,
         nonfinite: str = "propagate",
-        process_group=None,
+        process_group: ProcessGroup | None = None,
     ):
         self.quantile = _check_fraction("quantile", quantile, low_open=False, high_open=False)
         self.history_length = _check_count("history_length", history_length)

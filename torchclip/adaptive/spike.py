@@ -6,6 +6,7 @@ clips the steps that go ahead."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -13,6 +14,9 @@ from torch import Tensor
 from torchclip._arguments import _policy
 from torchclip.adaptive._state import _check_count, _check_positive, _check_state, _StatefulClip
 from torchclip.clip_base import ClipGradBase, add_to_count
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class SkipStepOnSpike(_StatefulClip):
@@ -34,6 +38,21 @@ class SkipStepOnSpike(_StatefulClip):
     out of the window and the count, and `clip` is not called (the gradients stay as they are, its
     statistics too); "raise" raises a RuntimeError before any change. "skip" and "raise" read one flag
     per call on the host (on a GPU, a sync, also on a fused optimizer).
+
+    Args:
+        clip: a clip that runs on the steps that go ahead (every call), or None.
+        window: how many past global norms are compared (>= 1).
+        sigma_factor: how many standard deviations above the mean make a spike (> 0).
+        nonfinite: "propagate", "skip" or "raise", as above.
+        process_group: hand-sharded gradients: every rank takes the same global norm.
+
+    Raises:
+        TypeError: `clip` is not a clip; an argument of the wrong type.
+        ValueError: a number out of its range; an unknown `nonfinite`.
+
+    Example:
+        >>> skip = torchclip.SkipStepOnSpike(torchclip.ClipGradByGlobalNorm(1.0))
+        >>> optimizer = torchclip.optim.SGD(model.parameters(), lr=0.1, grad_clip=skip)
     """
 
     def __init__(
@@ -43,7 +62,7 @@ class SkipStepOnSpike(_StatefulClip):
         sigma_factor: float = 6.0,
         *,
         nonfinite: str = "propagate",
-        process_group=None,
+        process_group: ProcessGroup | None = None,
     ):
         if clip is not None and not isinstance(clip, ClipGradBase):
             raise TypeError(f"clip must be a torchclip clip (e.g. ClipGradByGlobalNorm) or None, got {clip!r}")

@@ -34,6 +34,21 @@ class ClipGradByUnitwiseNorm(_NonfiniteGate, ClipGradBase):
     one more read of the gradients (and on a GPU one flag read on the host): where one is NaN or inf,
     "skip" changes no gradient, sets `found_nonfinite` and an optimizer hook skips the step; "raise"
     raises a RuntimeError before any change.
+
+    Args:
+        clip_factor: a unit's gradient norm is clipped to clip_factor times its weights' norm (> 0).
+        eps: the smallest weight norm a unit is given (>= 0), so zero-initialised units still learn.
+        norm_type: the norm's order p (> 0, inf allowed).
+        nonfinite: "propagate", "skip" or "raise", as above.
+
+    Raises:
+        ValueError: a number out of its range; an unknown `nonfinite`.
+        TypeError: an argument of the wrong type.
+
+    Example:
+        >>> clip = torchclip.ClipGradByUnitwiseNorm(clip_factor=0.01)
+        >>> torchclip.set_need_clip(model.fc, False)  # NFNets leave the classifier out
+        >>> optimizer = torchclip.optim.SGD(model.parameters(), lr=0.1, grad_clip=clip)
     """
 
     def __init__(

@@ -4,6 +4,7 @@ Pre-Training"); the `zclip` package 1.0.0's `ZClip.step` is the specification.""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -20,6 +21,9 @@ from torchclip.adaptive._state import (
     _scale,
     _StatefulClip,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class ClipGradByZScore(_StatefulClip):
@@ -52,6 +56,26 @@ class ClipGradByZScore(_StatefulClip):
     hook skips the step. "raise" raises a RuntimeError before any change. Choose "skip" where NaN steps
     are routine (clipping after `scaler.unscale_()`); it reads one flag per call on the host (on a GPU,
     a sync).
+
+    Args:
+        alpha: the EMA coefficient of mean and variance, in (0, 1).
+        z_thresh: the z-score above which a norm is a spike (> 0).
+        max_grad_norm: a cap on the target norm, also the warm-up's clip; None: no cap.
+        eps: added to std in the z-score (>= 0).
+        warmup_steps: calls that only record the norm (>= 1).
+        mode: "zscore" or "percentile".
+        clip_option: "adaptive_scaling" or "mean" (mode="zscore").
+        clip_factor: scales the adaptive threshold (> 0).
+        skip_update_on_spike: leave mean and variance as they were on a spike.
+        nonfinite: "propagate", "skip" or "raise", as above.
+        process_group: hand-sharded gradients: every rank takes the same global norm.
+
+    Raises:
+        ValueError: a number out of its range; an unknown mode, clip_option or `nonfinite`.
+        TypeError: an argument of the wrong type.
+
+    Example:
+        >>> optimizer = torchclip.optim.AdamW(model.parameters(), lr=1e-3, grad_clip=torchclip.ClipGradByZScore())
     """
 
     def __init__(
@@ -67,7 +91,7 @@ class ClipGradByZScore(_StatefulClip):
         skip_update_on_spike: bool = False,
         *,
         nonfinite: str = "propagate",
-        process_group=None,
+        process_group: ProcessGroup | None = None,
     ):
         self.alpha = _check_fraction("alpha", alpha, low_open=True, high_open=True)
         self.z_thresh = _check_positive("z_thresh", z_thresh)
