@@ -93,20 +93,22 @@ def test_cpu_only_kernels_refuse_other_devices():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("ord", [1.0, 2.0, math.inf, 3.0])
-def test_every_route_gives_the_same_norms(dtype, ord):
-    # The kernels' fused pass and torch's per-tensor norms, both accumulated in float64.
-    tensors = [make_tensor(shape, dtype, seed) for seed, shape in enumerate([(7, 5), (300,), (1,)])]
+def test_every_route_gives_the_same_norms(dtype, ord, cpu_capability):
+    # torch's per-tensor norms accumulate in float64; the kernels' do too, except p = 2 on 16/32-bit data,
+    # whose squares are summed in float32 blocks (norm_kernel.cpp): 1e-6, the narrow norms' guarantee.
+    rtol = NORM_RTOL[torch.float32] if ord == 2.0 and dtype != torch.float64 else NORM_RTOL[torch.float64]
+    tensors = [make_tensor(shape, dtype, seed) for seed, shape in enumerate([(7, 5), (300,), (1,), (100003,)])]
     kernels = Gradients(tensors).tensor_norms(ord)
     tracked = [t.clone().requires_grad_() for t in tensors]
     general = Gradients(tracked).tensor_norms(ord).detach()
     assert Gradients(tracked).route is Route.TORCH
-    torch.testing.assert_close(kernels, general, rtol=NORM_RTOL[torch.float64] * 10, atol=0)
+    torch.testing.assert_close(kernels, general, rtol=rtol, atol=0)
     sparse = [t.to_sparse() for t in tensors]
-    torch.testing.assert_close(Gradients(sparse).tensor_norms(ord), kernels, rtol=NORM_RTOL[torch.float64] * 10, atol=0)
+    torch.testing.assert_close(Gradients(sparse).tensor_norms(ord), general, rtol=NORM_RTOL[torch.float64], atol=0)
 
 
 @pytest.mark.parametrize("route_of", ["kernels", "sparse", "torch"])
-def test_scale_and_clamp_write_the_same_on_every_route(route_of):
+def test_scale_and_clamp_write_the_same_on_every_route(route_of, cpu_capability):
     base = [make_tensor((6, 4), torch.float32, 1, scale=3.0), make_tensor((9,), torch.float64, 2, scale=3.0)]
     tensors = {
         "kernels": [t.clone() for t in base],

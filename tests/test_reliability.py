@@ -235,8 +235,8 @@ def test_a_need_clip_property_that_changes_the_list_does_not_crash():
 
 @pytest.mark.parametrize("where", ["a class attribute", "a __getattr__"])
 def test_need_clip_from_the_class_is_honoured_as_from_the_parameter(where, cpu_capability):
-    # A plain class attribute is read without running Python code (the walk borrows the items); a
-    # __getattr__ runs Python code for every parameter without the mark (the walk owns them meanwhile).
+    # The walk reads the marks by attribute lookup: a class attribute is found on the type, a __getattr__
+    # runs Python code for every parameter without a mark of its own.
     params = params_with([torch.full((10,), 3.0) for _ in range(3)])
     torchclip.set_need_clip(params[1], True)
 

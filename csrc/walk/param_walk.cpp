@@ -428,9 +428,7 @@ bool GatheredTensors::walk(PyObject* object, bool take_grad, bool honor_need_cli
   }
   const Py_ssize_t count = listed->count;
   PyObject* const* elements = listed->elements;
-  // The need_clip marks first, on this thread: a getattr is a Python call, which the walkers cannot
-  // make, and it may run Python code (a property) that could drop a gradient the walk would borrow, or
-  // change the list itself: then the list is walked by the general path, which holds its own references.
+  // The need_clip marks first, on this thread: a getattr is a Python call, which the walkers cannot make.
   std::unique_ptr<uint8_t[]> excluded;
   if (honor_need_clip) {
     excluded.reset(new uint8_t[count]);
