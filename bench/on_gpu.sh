@@ -24,11 +24,13 @@ for step in "${steps[@]}"; do
         || { tail -50 "$out/build.log"; exit 1; }
       ;;
     test)
-      "$python" -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log" | tail -15
+      # Every test's CUDA case (the `device` fixture's, and the CUDA-only tests), 4 workers of 4 threads
+      OMP_NUM_THREADS=4 "$python" -m pytest -q -n 4 -m cuda -p no:cacheprovider --timeout 300 tests \
+        2>&1 | tee "$out/test_cuda.log" | tail -25
       ;;
     suite)
-      # (--timeout: on 2026-11-24 this step stopped at 80% for minutes; a hang now names its test)
-      "$python" -m pytest -q -n 8 -p no:cacheprovider --timeout 120 tests --ignore tests/test_cuda.py \
+      # The CPU cases with a GPU present (--timeout: on 2026-11-24 this step stopped at 80% for minutes)
+      OMP_NUM_THREADS=2 "$python" -m pytest -q -n 8 -m "not cuda" -p no:cacheprovider --timeout 120 tests \
         --ignore tests/test_wheel.py 2>&1 | tee "$out/test_suite.log" | tail -25
       ;;
     bench)

@@ -10,6 +10,8 @@
 #include <ATen/ops/linalg_vector_norm.h>
 #include <ATen/ops/ones.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <c10/util/Exception.h>
 #include <c10/util/string_view.h>
 
@@ -249,6 +251,27 @@ inline void check_clampable(at::TensorList tensors, const std::vector<int64_t>& 
         "] has dtype bool; clamping "
         "needs a numeric dtype");
   }
+}
+
+// A clamp bound as the kernels apply it to `dtype`: rounded to that dtype (they compare in float and round
+// the result, the same answer), so a bound beyond the dtype's range is inf where ATen would refuse it.
+inline double clamp_bound_in(at::ScalarType dtype, double bound) {
+  switch (dtype) {
+    case at::kHalf:
+      return static_cast<float>(c10::Half(static_cast<float>(bound)));
+    case at::kBFloat16:
+      return static_cast<float>(c10::BFloat16(static_cast<float>(bound)));
+    case at::kFloat:
+      return static_cast<float>(bound);  // (IEEE: an overflow rounds to inf)
+    default:
+      return bound;
+  }
+}
+
+// Clamps a tensor the kernels do not serve as they would: every layout of a list gives the same answer.
+inline void clamp_on_aten(const at::Tensor& tensor, double min, double max) {
+  const at::ScalarType dtype = tensor.scalar_type();
+  tensor.clamp_min_(clamp_bound_in(dtype, min)).clamp_max_(clamp_bound_in(dtype, max));
 }
 
 // torch 2.15's vector_norm refuses an integer or bool tensor with NotImplementedError, earlier releases with

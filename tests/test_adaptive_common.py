@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from testing import gradient_run, model_pair, set_grads
+from testing import cuda_only, gradient_run, model_pair, set_grads
 
 import torchclip
 from torchclip.adaptive import ClipGradByQuantile, ClipGradByUnitwiseNorm, ClipGradByZScore
@@ -193,7 +193,7 @@ def test_the_adaptive_pages_example_runs(tmp_path):
     assert torch.load(tmp_path / "clip.pt", weights_only=True)["history"].shape == (2, 1000)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@cuda_only
 @pytest.mark.parametrize(
     "make_clip",
     [

@@ -19,9 +19,13 @@ from testing import (
     assert_close_rel,
     assert_norm_close,
     clone_params,
+    cuda_only,
+    device_params,
+    device_tensor,
     grads_of,
     make_params,
     make_tensor,
+    no_host_sync,
     reference_norm,
 )
 
@@ -63,10 +67,10 @@ def test_signature_matches_torch(name):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm_type", NORM_TYPES)
 @pytest.mark.parametrize("max_norm", [0.5, 1e9])
-def test_clip_grad_norm_matches_torch(cpu_capability, dtype, norm_type, max_norm):
+def test_clip_grad_norm_matches_torch(device, dtype, norm_type, max_norm):
     # Positive orders only take tensors with elements when they have no identity (inf, negative p).
     specs = [s for s in mixed_specs(dtype) if norm_type > 0 and norm_type != math.inf or math.prod(s[0]) > 0]
-    ours = make_params(specs, scale=0.1)
+    ours = make_params(specs, scale=0.1, device=device)
     theirs = clone_params(ours)
     before = [g.double() for g in grads_of(theirs)]
     reference = reference_norm(grads_of(theirs), norm_type)
@@ -280,8 +284,8 @@ def test_invalid_max_norm_raises_type_error_like_torch():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm_type", NORM_TYPES)
-def test_get_total_norm_matches_reference_and_torch(cpu_capability, dtype, norm_type):
-    grads = [make_tensor(s, dtype, i, 0.1) for i, s in enumerate(SHAPES) if math.prod(s) > 0]
+def test_get_total_norm_matches_reference_and_torch(device, dtype, norm_type):
+    grads = [device_tensor(s, dtype, i, device, 0.1) for i, s in enumerate(SHAPES) if math.prod(s) > 0]
     total = torchclip.get_total_norm(grads, norm_type)
     expected = torch.nn.utils.get_total_norm(grads, norm_type)
     assert total.dtype == expected.dtype and total.shape == expected.shape
@@ -323,14 +327,37 @@ def test_clip_grads_with_norm_skips_coefficient_one():
     assert torch.equal(ours[0].grad, before)
 
 
+@cuda_only
+def test_cuda_drop_ins_never_wait_for_the_device_and_capture():
+    params = device_params(torch.float32, "cuda", seed=57, scale=3.0)
+    with no_host_sync("cuda"):
+        torchclip.clip_grad_norm_(params, 1.0)
+        torchclip.clip_grad_value_(params, 0.5)
+        torchclip.get_total_norm([p.grad for p in params])
+        torchclip.ClipGradByGlobalNorm(1.0)(params)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up off the capture, as torch's graph docs ask
+        torchclip.clip_grad_norm_(params, 1.0)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        total = torchclip.clip_grad_norm_(params, 1.0)
+    for p in params:
+        p.grad.mul_(10.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert abs(total.item() - 10.0) < 1e-3  # the replayed norm of the rescaled (norm 1) gradients
+
+
 # ---- clip_grad_value_ -----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("clip_value", [0.0, 0.05, 1e-3, 2.0, math.inf, -0.5])
-def test_clip_grad_value_is_bit_identical_to_torch(cpu_capability, dtype, layout, clip_value):
-    ours = make_params(mixed_specs(dtype, layout))
+def test_clip_grad_value_is_bit_identical_to_torch(device, dtype, layout, clip_value):
+    ours = make_params(mixed_specs(dtype, layout), device=device)
     ours[3].grad[2] = math.nan
     theirs = clone_params(ours)
     torchclip.clip_grad_value_(ours, clip_value)

@@ -7,7 +7,16 @@ import warnings
 
 import pytest
 import torch
-from testing import NORM_RTOL, assert_close_rel, clone_params, make_params, reference_norm
+from testing import (
+    NORM_RTOL,
+    assert_close_rel,
+    assert_norm_close,
+    clone_params,
+    cuda_only,
+    device_params,
+    make_params,
+    reference_norm,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchclip
@@ -212,11 +221,11 @@ PROFILED_CALLS = {
 
 
 @pytest.mark.parametrize("call", PROFILED_CALLS)
-def test_the_profiler_sees_the_fast_path(call, kernel_spy):
+def test_the_profiler_sees_the_fast_path(device, call, kernel_spy):
     # Users profile training steps: the walk and the op it runs must show up under their own names,
     # although the op's implementation is called without the dispatcher (which records dispatched ops).
     clip, op_name = PROFILED_CALLS[call]
-    params = make_params(SPECS, seed=21)
+    params = make_params(SPECS, seed=21, device=device)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         clip(params)
     names = [event.name for event in profile.events()]
@@ -342,3 +351,65 @@ def test_a_generator_takes_the_fast_path_and_is_read_once(drop_in, monkeypatch):
         assert_close_rel(got.item(), want.item(), 1e-5)
     for p, q in zip(params, expected):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_the_walk_serves_every_kernel_device(device):
+    # The C++ walk gathers the gradients, splits them and calls the device's implementations directly
+    # (on CUDA through cuda_split_ops.h); it bumps each version once, as the ops' Autograd kernels do.
+    params = device_params(torch.float32, device, seed=61, scale=3.0)
+    expected = [p.grad.clamp(-0.5, 0.5) for p in params]
+    versions = [p.grad._version for p in params]
+    assert torchclip._ops.clamp_grads_of_plain(params, -0.5, 0.5)
+    assert [p.grad._version for p in params] == [v + 1 for v in versions]
+    assert all(torch.equal(p.grad, e) for p, e in zip(params, expected))
+    reference = reference_norm([p.grad for p in params], 2.0)
+    total = torchclip._ops.total_norm_of_plain([p.grad for p in params], 2.0, False)
+    assert total.device.type == device
+    assert_norm_close(total, reference)
+    total = torchclip._ops.clip_grad_norm_of_plain(params, 1.0, 2.0, False)
+    assert_norm_close(total, reference)
+    clipped = torch.linalg.vector_norm(torch.cat([p.grad.double() for p in params])).item()
+    assert_close_rel(clipped, reference / (reference + 1e-6), 1e-6, "clipped norm")
+    norms = torchclip._ops.clip_by_tensor_norm_of_plain(params, 0.1, False)
+    assert norms.shape == (len(params),) and norms.dtype == torch.float64
+    assert all(torch.linalg.vector_norm(p.grad.double()).item() <= 0.1 * (1 + 1e-6) for p in params)
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Seen():  # under a dispatch mode: the general path
+        assert torchclip._ops.clip_grad_norm_of_plain(params, 1.0, 2.0, False) is None
+
+
+@cuda_only
+def test_the_walk_leaves_gradients_on_two_devices_to_the_general_path():
+    params = device_params(torch.float32, "cuda", seed=61)
+    on_cpu = torch.nn.Parameter(torch.randn(3))
+    on_cpu.grad = torch.randn(3)
+    assert torchclip._ops.clip_grad_norm_of_plain(params + [on_cpu], 1.0, 2.0, False) is None
+
+
+def test_the_walk_splits_the_gradients_the_kernels_do_not_take(device):
+    # A strided view and a complex gradient go to ATen from the walk's split, beside the kernels' spans.
+    def params():
+        found = device_params(torch.float32, device, seed=63, scale=3.0)
+        strided = torch.nn.Parameter(torch.zeros(500, device=device))
+        strided.grad = torch.randn(500, 3, device=device)[:, 1]
+        complex_weight = torch.nn.Parameter(torch.zeros(40, dtype=torch.complex64, device=device))
+        complex_weight.grad = torch.randn(40, dtype=torch.complex64, device=device)
+        return [strided] + found + [complex_weight]
+
+    torch.manual_seed(0)
+    ours = params()
+    theirs = clone_params(ours)
+    total = torchclip._ops.clip_grad_norm_of_plain(ours, 1.0, 2.0, False)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, 1.0, 2.0)
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=0)
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+    torch.manual_seed(0)
+    ours = params()
+    expected = [p.grad.clamp(-0.5, 0.5) for p in ours[:-1]]
+    assert torchclip._ops.clamp_grads_of_plain(ours[:-1], -0.5, 0.5)
+    assert all(torch.equal(p.grad, e) for p, e in zip(ours[:-1], expected))

@@ -3,9 +3,11 @@ fused kernel as grad_scale, and nonfinite="skip" as found_inf. Oracle: the same 
 by hand, in float64 (Paddle's formula, clip_norm / max(global_norm, clip_norm)), then the same fused
 step; with GradScaler, the scaled gradients unscaled as GradScaler.unscale_ does first."""
 
+import math
+
 import pytest
 import torch
-from testing import clip_by_hand
+from testing import assert_close_rel, clip_by_hand, clone_params, cuda_only, device_params, no_host_sync
 
 import torchclip
 import torchclip.clip as clip_module
@@ -311,3 +313,61 @@ def test_grad_scaler_unfolded_clip_sees_unscaled_gradients(dtype):
     theirs = by_hand_run(dtype, clamp, steps, scales, with_inf_at=1)
     for p, q in zip(ours, theirs):
         torch.testing.assert_close(p, q, **TOLERANCE[dtype])
+
+
+@cuda_only
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+@pytest.mark.parametrize("nonfinite", ["propagate", "skip"])
+def test_cuda_clip_folded_into_a_fused_step_captures_and_replays(name, nonfinite):
+    # The clip's norm, its coefficient as the fused kernel's grad_scale and "skip" as its found_inf, and
+    # the step, all in one captured graph; each replay gets its step's gradients copied into the captured
+    # ones. Oracle: Paddle's clip in float64, in place, then torch's own fused step, eagerly.
+    options = {"lr": 1e-2, "fused": True, "capturable": True, **({"weight_decay": 0.1} if name == "AdamW" else {})}
+    ours = device_params(torch.float32, "cuda", seed=71, scale=3.0)
+    theirs = clone_params(ours)
+    clip = torchclip.ClipGradByGlobalNorm(1.0, nonfinite=nonfinite)
+    optimizer = getattr(torchclip.optim, name)(ours, grad_clip=clip, **options)
+    reference = getattr(torch.optim, name)(theirs, **options)
+    generator = torch.Generator(device="cuda").manual_seed(73)
+    steps = [[torch.randn(p.shape, device="cuda", generator=generator) * 3.0 for p in ours] for _ in range(7)]
+    nonfinite_steps = {4, 6} if nonfinite == "skip" else set()  # ("propagate" would make every parameter NaN)
+    for index in nonfinite_steps:
+        steps[index][1][0] = math.nan
+
+    def load(params, grads):
+        for p, g in zip(params, grads):
+            p.grad.copy_(g)
+
+    def reference_step(grads):
+        for q, g in zip(theirs, grads):
+            q.grad = g.clone()
+        norm = clip_by_hand([q.grad for q in theirs], 1.0).item()
+        if math.isfinite(norm):  # (a non-finite norm: no step, the skipped step's gradients are dropped)
+            reference.step()
+        return norm
+
+    warm_up = 3  # eager steps off the capture, as torch's graph docs ask; they must not sync either
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with no_host_sync("cuda"), torch.cuda.stream(side):
+        for grads in steps[:warm_up]:
+            load(ours, grads)
+            optimizer.step()
+    torch.cuda.current_stream().wait_stream(side)
+    for grads in steps[:warm_up]:
+        reference_step(grads)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        optimizer.step()
+    for index, grads in enumerate(steps[warm_up:], warm_up):
+        load(ours, grads)
+        graph.replay()
+        norm = reference_step(grads)
+        torch.cuda.synchronize()
+        if math.isfinite(norm):  # the clip's statistics are the graph's outputs: each replay refreshes them
+            assert_close_rel(clip.last_global_norm.item(), norm, 1e-6)
+        for p, q in zip(ours, theirs):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"step {index}")
+    # counters accumulate across replays (in place: a captured new tensor would hold one replay's count)
+    assert int(clip.nonfinite_steps) == len(nonfinite_steps)
+    assert optimizer.grad_clip_attachment.skipped_steps == len(nonfinite_steps)

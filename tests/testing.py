@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import functools
 import math
 
+import pytest
 import torch
 
 from torchclip import _ops
@@ -49,16 +51,16 @@ def make_tensor(shape, dtype, seed, scale=1.0, layout="contiguous"):
 LAYOUTS = ["contiguous", "transposed", "strided", "offset"]
 
 
-def make_params(specs, seed=0, scale=1.0, none_every=0):
-    """Parameters with gradients; specs is a list of (shape, dtype[, layout]). Every none_every-th
-    parameter (1-based) gets no gradient."""
+def make_params(specs, seed=0, scale=1.0, none_every=0, device="cpu"):
+    """Parameters with gradients on `device`; specs is a list of (shape, dtype[, layout]). Every
+    none_every-th parameter (1-based) gets no gradient."""
     params = []
     for i, spec in enumerate(specs):
         shape, dtype = spec[0], spec[1]
         layout = spec[2] if len(spec) > 2 else "contiguous"
-        p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
+        p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
         if not (none_every and (i + 1) % none_every == 0):
-            p.grad = make_tensor(shape, dtype, seed + i, scale, layout)
+            p.grad = device_tensor(shape, dtype, seed + i, device, scale, layout)
         params.append(p)
     return params
 
@@ -75,15 +77,114 @@ def clone_params(params, device=None):
     return out
 
 
+# ---- the device axis (conftest.py: the `device` fixture) -------------------------------------------
+
+# The ops with CUDA kernels (csrc/cuda/); the others run on the CPU only.
+CUDA_OPS = (
+    "multi_tensor_norm",
+    "multi_tensor_scale_",
+    "multi_tensor_clamp_",
+    "clip_grad_norm_",
+    "clip_by_tensor_norm_",
+)
+
+
+def op_runs_on(name: str, device: str) -> bool:
+    """Whether torchclip::name has a kernel for `device` (asked of the dispatcher, not guessed)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"torchclip::{name}", device.upper())
+
+
+CUDA_READY = torch.cuda.is_available() and all(op_runs_on(op, "cuda") for op in CUDA_OPS)
+requires_cuda = pytest.mark.skipif(
+    not CUDA_READY,
+    reason="no CUDA device" if not torch.cuda.is_available() else "torchclip was built without its CUDA kernels",
+)
+
+# Around the CUDA kernels' chunk of 65536 elements: one- and many-chunk tensors, and empty ones.
+CHUNK_SIZES = [0, 1, 7, 16, 33, 1000, 65535, 65536, 65537, 300001]
+
+
+def device_tensor(shape, dtype, seed, device, scale=1.0, layout="contiguous"):
+    """make_tensor's values and memory layout (strides, storage offset), on `device`."""
+    t = make_tensor(shape, dtype, seed, scale, layout)
+    if device == "cpu":
+        return t
+    if layout == "offset":  # a view 3 elements into its storage: not 16-byte aligned, the kernels' slow path
+        out = torch.empty(t.numel() + 3, dtype=dtype, device=device)[3:].view(shape)
+    else:
+        out = torch.empty_strided(t.size(), t.stride(), dtype=dtype, device=device)
+    return out.copy_(t)
+
+
+def device_list(dtype, device, seed=0, scale=1.0, sizes=CHUNK_SIZES, layout="contiguous"):
+    return [device_tensor((n,), dtype, seed + i, device, scale, layout) for i, n in enumerate(sizes)]
+
+
+def device_params(dtype, device, seed, scale=1.0, sizes=(1000, 65537, 7, 300001)):
+    """Parameters on `device` holding make_tensor gradients of these sizes."""
+    return make_params([((n,), dtype) for n in sizes], seed, scale, device=device)
+
+
+def cuda_only(test):
+    """A test of something only CUDA has (streams, graphs, host synchronisation, the CPU-versus-CUDA
+    agreement): skipped without a GPU, selected by `pytest -m cuda`."""
+    return pytest.mark.cuda(requires_cuda(test))
+
+
+@contextlib.contextmanager
+def no_host_sync(device):
+    """A block in which any wait of the host for `device` raises (CUDA); the CPU has no such wait."""
+    if device != "cuda":
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def bits(t):
+    return t.detach().cpu().reshape(-1).view(torch.uint8)
+
+
+def identical(a, b):
+    """Same dtype, shape and bits: for the determinism and graph-replay checks."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def assert_same_values(a, b, what=""):
+    """Same dtype and exactly the same values, any NaN equal to any NaN (implementations may differ in
+    the NaN payload they write)."""
+    assert a.dtype == b.dtype, what
+    torch.testing.assert_close(a.cpu(), b.cpu(), rtol=0, atol=0, equal_nan=True, msg=what)
+
+
+def subnormal_spacing(dtype):
+    """The absolute resolution of `dtype` near 0: a result that small is off by up to this much."""
+    info = torch.finfo(dtype.to_real() if dtype.is_complex else dtype)
+    return info.smallest_normal * info.eps
+
+
+def has_identity(norm_type) -> bool:
+    """Whether an empty tensor has a norm of this order (inf and negative orders have none)."""
+    return not (norm_type in (math.inf, -math.inf) or norm_type < 0)
+
+
 def grads_of(params):
     return [p.grad for p in params if p.grad is not None]
 
 
 def reference_norm(tensors, norm_type) -> float:
-    """torch's definition of the total norm, evaluated in float64 (and exact where float64 is)."""
+    """torch's definition of the total norm, evaluated in float64 (and exact where float64 is); a complex
+    tensor's norm is its magnitudes', as torch's."""
     if len(tensors) == 0:
         return 0.0
-    norms = [torch.linalg.vector_norm(t.detach().to(torch.float64), norm_type) for t in tensors]
+    norms = [
+        torch.linalg.vector_norm(t.detach().to(torch.complex128 if t.is_complex() else torch.float64), norm_type)
+        for t in tensors
+    ]
     return torch.linalg.vector_norm(torch.stack(norms), norm_type).item()
 
 

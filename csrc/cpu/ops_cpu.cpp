@@ -177,14 +177,14 @@ void multi_tensor_clamp_cpu_split(at::TensorList tensors, const Split& split, do
   if (may_overlap(split.spans.data(), split.spans.size(), tensors, split.aten_path)) {
     in_list_order(
         tensors, split, [&](int64_t k) { cpu_kernels().clamp(&split.spans[k], 1, min, max); },
-        [&](int64_t i) { tensors[i].clamp_min_(min).clamp_max_(max); });
+        [&](int64_t i) { clamp_on_aten(tensors[i], min, max); });
     return;
   }
   if (!split.spans.empty()) {
     cpu_kernels().clamp(split.spans.data(), static_cast<int64_t>(split.spans.size()), min, max);
   }
   for (int64_t i : split.aten_path) {
-    tensors[i].clamp_min_(min).clamp_max_(max);
+    clamp_on_aten(tensors[i], min, max);
   }
 }
 

@@ -276,7 +276,7 @@ void multi_tensor_clamp_cuda_split(at::TensorList tensors, const DeviceSplit& sp
   apply_in_place(
       tensors, split.spans, split.aten_path,
       [&](const DeviceSpan* some, int64_t count) { cuda::clamp(some, count, min, max, current_stream()); },
-      [&](int64_t i) { tensors[i].clamp_min_(min).clamp_max_(max); });
+      [&](int64_t i) { clamp_on_aten(tensors[i], min, max); });
 }
 
 void multi_tensor_clamp_cuda(at::TensorList tensors, double min, double max) {
