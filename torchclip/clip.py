@@ -181,15 +181,69 @@ class ClipGradByNorm(ClipGradBase):
         return f"{type(self).__name__}(clip_norm={self.clip_norm})"
 
 
+def _walk_by_global_norm(params, max_norm: float, nonfinite: str) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Paddle's global-norm rule (torch's with eps = 0: min(max_norm / global_norm, 1), the norm kept in at
+    least float32) over the marked gradients of plain CPU or CUDA parameters, in one C++ walk: (the global
+    norm, each gradient's norm, the coefficient), or None where the walk declines."""
+    return _ops.clip_grad_norm_of_plain(
+        params,
+        max_norm,
+        2.0,
+        False,
+        eps=0.0,
+        norm_at_least_float32=True,
+        honor_need_clip=True,
+        nonfinite=nonfinite,
+        keep_stats=True,
+    )
+
+
+def _clip_by_global_norm(gradients: Gradients, clip_norm: float, nonfinite: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Paddle's global-norm rule on gradients the kernels do not serve, in tensor ops: (the global norm,
+    float32 or float64 for float64 gradients; each gradient's norm; the coefficient), the gradients scaled."""
+    grads = gradients.tensors
+    wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    norms = gradients.tensor_norms()
+    global_norm = torch.linalg.vector_norm(norms, 2.0).to(wide)
+    finite = torch.isfinite(global_norm)
+    if nonfinite == "raise" and not finite:  # raising needs the answer on the host
+        raise _nonfinite_global_norm()
+    scale = clip_norm / torch.clamp(global_norm, min=clip_norm)
+    if nonfinite == "skip":
+        scale = torch.where(finite, scale, torch.ones_like(scale))
+    gradients.scale_(scale)
+    return global_norm, norms, scale.to(torch.float64)
+
+
+def _fused_step_scale(
+    norm: Tensor, finite: Tensor, found: Tensor, clip_norm: float, nonfinite: str, scaler_found: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
+    """(grad_scale, found_inf) a fused step takes from the global norm (unscaled) and whether it is finite,
+    and whether this clip refuses the step (`found`): grad_scale is 1 / Paddle's coefficient
+    clip_norm / max(norm, clip_norm), inf or NaN for a non-finite norm, which the kernel's division turns
+    into what scaling by 0 or NaN gives (nonfinite="propagate"); "skip" scales by 1 and adds its refusal
+    to GradScaler's found_inf."""
+    grad_scale = torch.clamp(norm / clip_norm, min=1.0)
+    if nonfinite != "skip":
+        return grad_scale, scaler_found
+    grad_scale = torch.where(finite, grad_scale, torch.ones_like(grad_scale))
+    skip = found.to(torch.float32)
+    return grad_scale, skip if scaler_found is None else torch.maximum(scaler_found, skip.to(scaler_found.device))
+
+
+def _nonfinite_global_norm() -> RuntimeError:
+    return RuntimeError(
+        "ClipGradByGlobalNorm: the global norm is non-finite (NaN or inf), so it cannot be clipped; no "
+        "gradient was changed"
+    )
+
+
 class ClipGradByGlobalNorm(ClipGradBase):
     """Scale every gradient by clip_norm / max(global_norm, clip_norm) (paddle.nn.ClipGradByGlobalNorm).
 
-    global_norm is the L2 norm of all clipped gradients together. With auto_skip_clip=True Paddle
-    leaves the gradients untouched when global_norm <= clip_norm; the CPU kernel does so in every case
-    (the scale is exactly 1 there and it skips the write pass), so the flag changes no result here.
-    On an optimizer, one clip object computes one global norm over every parameter it serves; clips
-    given by set_gradient_clip that share a group_name compute one global norm together and must
-    share clip_norm (Paddle's rule).
+    global_norm is the L2 norm of all clipped gradients together. On an optimizer, one clip object
+    computes one global norm over every parameter it serves; clips given by set_gradient_clip that share
+    a group_name compute one global norm together and must share clip_norm (Paddle's rule).
 
     For logging without a host sync, on the gradients' device: `last_global_norm` (float32, float64
     for float64 gradients), `last_norms` (each gradient's norm, float64; None for sharded gradients,
@@ -199,7 +253,8 @@ class ClipGradByGlobalNorm(ClipGradBase):
     Args:
         clip_norm: the largest global norm allowed, a finite number > 0.
         group_name: clips given by `set_gradient_clip` with one group name share one global norm.
-        auto_skip_clip: Paddle's flag; the scale is exactly 1 where it would skip, so no result changes.
+        auto_skip_clip: Paddle's flag to leave the gradients untouched where global_norm <= clip_norm;
+            the scale is exactly 1 there (and the CPU kernel skips the write), so no result changes.
         nonfinite: what a NaN or inf norm does: "propagate", "raise" or "skip" (see `ClipGradByNorm`).
         process_group: torchclip only: the gradients are this rank's shard of the group's; every rank
             clips by the same global norm (see `torchclip.distributed`).
@@ -225,8 +280,6 @@ class ClipGradByGlobalNorm(ClipGradBase):
     ):
         self.clip_norm = _positive_finite("clip_norm", clip_norm)
         self.nonfinite = _policy(nonfinite)
-        # torchclip's addition: the gradients are this rank's shard of the group's (see
-        # torchclip.distributed); every rank then clips by the same global norm.
         self.process_group = process_group
         if not isinstance(group_name, str):
             raise TypeError(f"group_name must be a str, got {group_name!r}")
@@ -241,10 +294,32 @@ class ClipGradByGlobalNorm(ClipGradBase):
     def _keep(self, global_norm: Tensor, norms: Tensor | None, coefficient: Tensor) -> None:
         self.last_global_norm, self.last_norms, self.last_clip_coef = global_norm, norms, coefficient
 
+    def _clip_parameters(self, params):
+        if self.process_group is not None:
+            return False  # sharded clipping needs the (param, grad) pairs: the Python walk
+        found = _walk_by_global_norm(params, self.clip_norm, self.nonfinite)
+        if found is not None:
+            self._keep(*found)
+            self._record(found[0])
+        return found is not None
+
     def clip_gradients_(self, grads, params):
         gradients = Gradients(grads, params, process_group=self.process_group)
-        if gradients.shards is None:
-            return self._clip_unsharded(gradients)
+        if gradients.shards is not None:
+            return self._clip_sharded(gradients)
+        if not grads:
+            return
+        if gradients.route is Route.KERNELS:
+            self._keep(
+                *_ops.clip_grad_norm_(
+                    grads, self.clip_norm, 2.0, False, eps=0.0, norm_at_least_float32=True, nonfinite=self.nonfinite
+                )
+            )
+        else:
+            self._keep(*_clip_by_global_norm(gradients, self.clip_norm, self.nonfinite))
+        self._record(self.last_global_norm)
+
+    def _clip_sharded(self, gradients: Gradients) -> None:
         global_norm = gradients.sharded_total_norm(2.0, self.nonfinite == "raise")
         self._record(global_norm)
         skip = self.nonfinite == "skip" and not torch.isfinite(global_norm)
@@ -252,27 +327,6 @@ class ClipGradByGlobalNorm(ClipGradBase):
         self._keep(global_norm.to(torch.float32), None, coefficient.to(torch.float64))
         if not skip:
             gradients.scale_(coefficient)
-
-    def _global_norm_of_parameters(self, params, nonfinite: str) -> tuple[Tensor, Tensor] | None:
-        """(the global norm, each gradient's norm) of the marked gradients of plain CPU or CUDA parameters,
-        read by the C++ walk and written nowhere (a fused optimizer step then applies the coefficient);
-        None where the walk declines. max_norm = inf makes every coefficient exactly 1, and the kernels
-        skip a scale by 1; nonfinite is "raise" or "skip" (a non-finite norm must not turn into a scale
-        of NaN here)."""
-        if self.process_group is not None:
-            return None
-        found = _ops.clip_grad_norm_of_plain(
-            params,
-            math.inf,
-            2.0,
-            False,
-            eps=0.0,
-            norm_at_least_float32=True,
-            honor_need_clip=True,
-            nonfinite=nonfinite,
-            keep_stats=True,
-        )
-        return None if found is None else found[:2]
 
     def fold_into_fused_step(
         self, params, scaler_scale: Tensor | None, scaler_found: Tensor | None
@@ -282,11 +336,14 @@ class ClipGradByGlobalNorm(ClipGradBase):
         kernel divides each gradient by and skips on; None where the C++ walk declines (clip in place).
         scaler_scale / scaler_found: GradScaler's, while the gradients are still scaled. Nothing is read
         back to the host, except to raise under nonfinite="raise"; the last_* statistics are kept."""
+        if self.process_group is not None:
+            return None  # sharded clipping needs the (param, grad) pairs: the Python walk, in place
         raises_here = self.nonfinite == "raise" and scaler_found is None
-        found_norms = self._global_norm_of_parameters(params, "raise" if raises_here else "skip")
-        if found_norms is None:
+        # max_norm = inf scales by exactly 1, which the kernels skip; a non-finite norm must not scale by NaN.
+        walked = _walk_by_global_norm(params, math.inf, "raise" if raises_here else "skip")
+        if walked is None:
             return None
-        norm, norms = found_norms
+        norm, norms = walked[:2]
         if scaler_scale is not None:
             norm = norm / scaler_scale.to(norm.device)
             norms = norms / scaler_scale.to(norms.device)
@@ -295,71 +352,13 @@ class ClipGradByGlobalNorm(ClipGradBase):
         if scaler_found is not None:
             found = found & (scaler_found.to(norm.device) == 0)  # a step the scaler skips is not the clip's
         if self.nonfinite == "raise" and not raises_here and bool(found):
-            raise RuntimeError(
-                "ClipGradByGlobalNorm: the global norm is non-finite (NaN or inf), so it cannot be "
-                "clipped; no gradient was changed"
-            )
+            raise _nonfinite_global_norm()
         self._record_found(found)
-        # 1 / Paddle's coefficient clip_norm / max(norm, clip_norm); inf or NaN for a non-finite norm, which
-        # the kernel's division turns into what scaling by 0 or NaN gives (nonfinite="propagate").
-        grad_scale = torch.clamp(norm / self.clip_norm, min=1.0)
-        found_inf = scaler_found
-        if self.nonfinite == "skip":
-            grad_scale = torch.where(finite, grad_scale, torch.ones_like(grad_scale))
-            skip = found.to(torch.float32)
-            found_inf = skip if scaler_found is None else torch.maximum(scaler_found, skip.to(scaler_found.device))
+        grad_scale, found_inf = _fused_step_scale(norm, finite, found, self.clip_norm, self.nonfinite, scaler_found)
         self._keep(norm, norms, (1.0 / grad_scale).to(torch.float64))
         if scaler_scale is not None:
             grad_scale = grad_scale * scaler_scale.to(grad_scale.device)
         return grad_scale.to(torch.float32), found_inf
-
-    def _clip_parameters(self, params):
-        if self.process_group is not None:
-            return False  # sharded clipping needs the (param, grad) pairs: the Python walk
-        # Paddle's formula is torch's with eps = 0: min(clip_norm / global_norm, 1).
-        found = _ops.clip_grad_norm_of_plain(
-            params,
-            self.clip_norm,
-            2.0,
-            False,
-            eps=0.0,
-            norm_at_least_float32=True,
-            honor_need_clip=True,
-            nonfinite=self.nonfinite,
-            keep_stats=True,
-        )
-        if found is not None:
-            self._keep(*found)
-            self._record(found[0])
-        return found is not None
-
-    def _clip_unsharded(self, gradients: Gradients):
-        grads = gradients.tensors
-        if not grads:
-            return
-        if gradients.route is Route.KERNELS:
-            self._keep(
-                *_ops.clip_grad_norm_(
-                    grads, self.clip_norm, 2.0, False, eps=0.0, norm_at_least_float32=True, nonfinite=self.nonfinite
-                )
-            )
-            self._record(self.last_global_norm)
-            return
-        wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-        norms = gradients.tensor_norms()
-        global_norm = torch.linalg.vector_norm(norms, 2.0).to(wide)
-        finite = torch.isfinite(global_norm)
-        if self.nonfinite == "raise" and not finite:  # raising needs the answer on the host
-            raise RuntimeError(
-                "ClipGradByGlobalNorm: the global norm is non-finite (NaN or inf), so it cannot be "
-                "clipped; no gradient was changed"
-            )
-        scale = self.clip_norm / torch.clamp(global_norm, min=self.clip_norm)
-        if self.nonfinite == "skip":
-            scale = torch.where(finite, scale, torch.ones_like(scale))
-        gradients.scale_(scale)
-        self._keep(global_norm, norms, scale.to(torch.float64))
-        self._record(global_norm)
 
     def __repr__(self):
         return f"{type(self).__name__}(clip_norm={self.clip_norm}, group_name={self.group_name!r})"

@@ -65,6 +65,12 @@ def _clip_coefficient(max_norm: Tensor | float, norm: Tensor) -> Tensor:
     return torch.clamp(max_norm / (norm + _COEFFICIENT_EPS), max=1.0)
 
 
+def _clip_coefficient_on_host(max_norm: float, norm: float) -> float:
+    """_clip_coefficient on Python floats, with torch's rounding and NaN rule."""
+    coefficient = _divide(max_norm, norm + _COEFFICIENT_EPS)
+    return coefficient if not coefficient > 1.0 else 1.0  # torch.clamp's: NaN stays NaN
+
+
 def _to_device(values: list, device: torch.device) -> Tensor:
     """Host-known indices or flags as a tensor on `device`, copied without waiting for the device."""
     return torch.tensor(values).to(device, non_blocking=True)
@@ -100,11 +106,23 @@ def _check_positive(name: str, value, allow_zero: bool = False) -> float:
     return number
 
 
-def _check_count(name: str, value) -> int:
+def _check_count(name: str, value, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def _check_choice(name: str, value, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be {' or '.join(repr(c) for c in choices)}, got {value!r}")
     return value
 
 

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from torchclip._arguments import _policy
 from torchclip.adaptive._state import (
+    _check_count,
     _check_fraction,
     _check_positive,
     _check_state,
@@ -20,6 +21,25 @@ from torchclip.adaptive._state import (
     _targets_and_norms,
     _to_device,
 )
+
+
+def _adagc_rule(settings: ClipGradByNormEMA, norms: Tensor, gammas: Tensor, warming_up: bool) -> tuple[Tensor, Tensor]:
+    """AdaGC's step under a clip's settings: (each gradient's clip coefficient, its new threshold) from the
+    gradients' norms and their thresholds, float64 tensors on one device."""
+    if warming_up:
+        global_norm = torch.linalg.vector_norm(norms, 2.0)
+        coefficient = torch.clamp(settings.lambda_abs / global_norm, max=1.0)
+        clipped = coefficient * norms
+        new_gammas = torch.minimum(gammas, clipped)
+        # An inf global norm scales every gradient by 0: no threshold learns from that.
+        remembered = torch.isfinite(clipped) & torch.isfinite(global_norm)
+    else:
+        coefficient = torch.where(norms > 0, torch.clamp(settings.lambda_rel * gammas / norms, max=1.0), 1.0)
+        clipped = coefficient * norms
+        new_gammas = torch.where(torch.isinf(gammas), norms, settings.beta * gammas + (1 - settings.beta) * clipped)
+        remembered = torch.isfinite(clipped)
+    # A NaN or inf norm is scaled as torch scales it (the gradient turns NaN) but not remembered.
+    return coefficient, torch.where(remembered, new_gammas, gammas)
 
 
 class ClipGradByNormEMA(_StatefulClip):
@@ -79,11 +99,7 @@ class ClipGradByNormEMA(_StatefulClip):
     ):
         self.lambda_rel = _check_positive("lambda_rel", lambda_rel)
         self.beta = _check_fraction("beta", beta, low_open=False, high_open=True)
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int):
-            raise TypeError(f"warmup_steps must be an int, got {warmup_steps!r}")
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps!r}")
-        self.warmup_steps = warmup_steps
+        self.warmup_steps = _check_count("warmup_steps", warmup_steps, minimum=0)
         self.lambda_abs = _check_positive("lambda_abs", lambda_abs)
         self.nonfinite = _policy(nonfinite)
         self.steps = 0
@@ -103,21 +119,9 @@ class ClipGradByNormEMA(_StatefulClip):
             return
         self.gammas = self._on(self.gammas, device)
         index = _to_device(self._rows_of(params, device), device)
-        gamma = self.gammas.index_select(0, index)
-        if self.steps < self.warmup_steps:
-            global_norm = torch.linalg.vector_norm(norms, 2.0)
-            coefficient = torch.clamp(self.lambda_abs / global_norm, max=1.0)
-            clipped = coefficient * norms
-            new_gamma = torch.minimum(gamma, clipped)
-            # An inf global norm scales every gradient by 0: no threshold learns from that.
-            remembered = torch.isfinite(clipped) & torch.isfinite(global_norm)
-        else:
-            coefficient = torch.where(norms > 0, torch.clamp(self.lambda_rel * gamma / norms, max=1.0), 1.0)
-            clipped = coefficient * norms
-            new_gamma = torch.where(torch.isinf(gamma), norms, self.beta * gamma + (1 - self.beta) * clipped)
-            remembered = torch.isfinite(clipped)
-        # A NaN or inf norm is scaled as torch scales it (the gradient turns NaN) but not remembered.
-        self.gammas.index_copy_(0, index, torch.where(remembered, new_gamma, gamma))
+        warming_up = self.steps < self.warmup_steps
+        coefficient, gammas = _adagc_rule(self, norms, self.gammas.index_select(0, index), warming_up)
+        self.gammas.index_copy_(0, index, gammas)
         self.steps += 1
         self.last_clip_coef = coefficient
         _scale(grads, coefficient)

@@ -13,11 +13,12 @@ from torch import Tensor
 from torchclip._arguments import _policy
 from torchclip.adaptive._state import (
     _COEFFICIENT_EPS,
+    _check_bool,
     _check_count,
     _check_fraction,
     _check_state,
     _clip_coefficient,
-    _divide,
+    _clip_coefficient_on_host,
     _ParamRows,
     _scale,
     _StatefulClip,
@@ -58,7 +59,110 @@ class _SortedWindow:
         return below + weight * (above - below) if weight < 0.5 else above - (above - below) * (1 - weight)
 
 
-class ClipGradByQuantile(_StatefulClip):
+class _NormHistory:
+    """The rings of past norms behind ClipGradByQuantile's thresholds, and their quantiles.
+
+    A base of the clip rather than an object it holds, so that `history`, `counts` and `_window` stay the
+    clip's own attributes, as its pickles since torchclip 0.1.0 hold them. `history` holds one float64
+    ring of `history_length` norms per row (one in global mode; one per parameter, see _ParamRows, otherwise),
+    NaN where nothing was recorded yet; `counts[row]`, on the host, how many norms the row has seen. A ring
+    fills in order and a quantile does not depend on order, so a row's first min(count, history_length) slots
+    are its norms. The global row also has a sorted copy on the host, `_window`, built on first use, from
+    which the CPU rule takes its quantile without a tensor op.
+    """
+
+    quantile: float
+    history_length: int
+    global_threshold: bool
+    history: Tensor
+    counts: list[int]
+    _window: _SortedWindow | None
+
+    def _restart_history(self, history: Tensor, counts: list[int]) -> None:
+        self.history, self.counts, self._window = history, counts, None
+
+    def _empty_rings(self, rows: int, device=None) -> Tensor:
+        return torch.full((rows, self.history_length), math.nan, dtype=torch.float64, device=device)
+
+    def _history_state(self) -> dict[str, Tensor]:
+        return {"history": self.history.clone(), "counts": torch.tensor(self.counts, dtype=torch.int64)}
+
+    def _load_history(self, state: dict[str, Tensor]) -> int:
+        """Restores the rings from a _history_state, checked before anything changes; returns its row count."""
+        history = state.get("history") if isinstance(state, dict) else None
+        rows = history.shape[0] if isinstance(history, Tensor) and history.dim() == 2 else -1
+        _check_state(type(self).__name__, state, {"history": (rows, self.history_length), "counts": (rows,)})
+        if self.global_threshold and rows != 1:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: a global clip has one history, got {rows}")
+        counts = [int(c) for c in state["counts"].tolist()]
+        self._restart_history(state["history"].to(self.history.device, torch.float64, copy=True), counts)
+        return rows
+
+    def _fit_rows(self, count: int, reclaimed: list[int], device) -> None:
+        if count > self.history.shape[0]:
+            grow = self._empty_rings(count - self.history.shape[0], device)
+            self.history = torch.cat([self.history, grow])
+            self.counts += [0] * grow.shape[0]
+        if reclaimed:
+            self.history.index_fill_(0, _to_device(reclaimed, device), math.nan)
+            for r in reclaimed:
+                self.counts[r] = 0
+
+    def _thresholds(self, rows: list[int], device) -> Tensor:
+        """quantile of each row's recorded norms; inf for a row with none."""
+        filled = [min(self.counts[r], self.history_length) for r in rows]
+        if all(f == filled[0] for f in filled):  # the usual case: every row has seen as many norms
+            return self._quantiles(rows, filled[0], device)
+        thresholds = torch.empty(len(rows), dtype=torch.float64, device=device)
+        for count in set(filled):
+            at = [i for i, f in enumerate(filled) if f == count]
+            thresholds.index_copy_(0, _to_device(at, device), self._quantiles([rows[i] for i in at], count, device))
+        return thresholds
+
+    def _quantiles(self, rows: list[int], filled: int, device) -> Tensor:
+        """The quantile of the first `filled` slots of each of `rows`: torch.quantile, the reference's, so a
+        recorded NaN norm gives NaN as there. (nanquantile over whole rows cost ~0.1 ms a call.)"""
+        if filled == 0:
+            return torch.full((len(rows),), math.inf, dtype=torch.float64, device=device)
+        if self._every_row_in_order(rows):
+            window = self.history[:, :filled]
+        else:
+            window = self.history.index_select(0, _to_device(rows, device))[:, :filled]
+        return torch.quantile(window, self.quantile, dim=1)
+
+    def _every_row_in_order(self, rows: list[int]) -> bool:
+        """Whether `rows` are all of the history's, in order: then a slice of it, no index tensors."""
+        return rows == list(range(self.history.shape[0]))
+
+    def _record_norms(self, rows: list[int], norms: Tensor, device) -> None:
+        slots = [self.counts[r] % self.history_length for r in rows]
+        if self._every_row_in_order(rows) and all(s == slots[0] for s in slots):
+            self.history[:, slots[0]] = norms  # (no index tensors to build and copy)
+        else:
+            self.history.index_put_((_to_device(rows, device), _to_device(slots, device)), norms)
+        for r in rows:
+            self.counts[r] += 1
+
+    def _host_threshold(self) -> float | None:
+        """The global row's quantile from the host window; None before any norm was recorded (the first
+        call clips nothing)."""
+        return self._host_window().quantile(self.quantile) if self.counts[0] > 0 else None
+
+    def _record_on_host(self, value: float) -> None:
+        """Records the global norm in the global row (in host memory) and its sorted window."""
+        count = self.counts[0]
+        slot = count % self.history_length
+        self._host_window().replace(self.history[0, slot].item() if count >= self.history_length else None, value)
+        self.history[0, slot] = value
+        self.counts[0] += 1
+
+    def _host_window(self) -> _SortedWindow:
+        if self._window is None:
+            self._window = _SortedWindow(self.history[0, : min(self.counts[0], self.history_length)].tolist())
+        return self._window
+
+
+class ClipGradByQuantile(_NormHistory, _StatefulClip):
     r"""AutoClip: clip to a quantile of the norms seen so far.
 
     Each call clips by torch.nn.utils.clip_grad_norm_'s rule, max_norm / (norm + 1e-6) where that is
@@ -70,8 +174,8 @@ class ClipGradByQuantile(_StatefulClip):
     clipped by its own norm; a parameter's first call with a gradient clips nothing. True: one history
     of the global L2 norm of all the gradients, which are scaled together.
 
-    The histories are fixed-size float64 rings on the gradients' device (quantiles do not depend on
-    order). `last_norms` holds the last call's norms (per tensor, or the global one).
+    `history` holds the histories, fixed-size float64 rings on the gradients' device, and `counts` how
+    many norms each has seen; `last_norms` the last call's norms (per tensor, or the global one).
 
     Per-parameter histories are kept per parameter object (see _ParamRows): name the parameters
     themselves, `clip(model.parameters())` or `[(p, p.grad) for p in model.parameters()]`. Objects that
@@ -80,13 +184,11 @@ class ClipGradByQuantile(_StatefulClip):
     call's, and start anew where they differ; the clip warns once. A dead parameter's history is reused.
 
     `nonfinite`, for a NaN or inf norm (the global one, or any gradient's): "propagate" (the default) is
-    autoclip's rule, so that the clip is the reference step for step (tests/test_adaptive_quantile.py)
-    and reads nothing back from a GPU, but the norm enters its history, whose quantile is then NaN: the
-    gradients that history clips turn NaN for the next `history_length` calls. "skip" leaves the call
-    out: no gradient is scaled, no history records a norm, `found_nonfinite` is set and an optimizer
-    hook skips the step. "raise" raises a RuntimeError before any change. Choose "skip" where NaN steps
-    are routine (clipping after `scaler.unscale_()`); it reads one flag per call on the host (on a GPU,
-    a sync).
+    autoclip's rule and reads nothing back from a GPU, but the norm enters its history: the gradients that
+    history clips turn NaN for the next `history_length` calls. "skip" leaves the call out (nothing scaled
+    or recorded, `found_nonfinite` set, an optimizer hook skips the step); "raise" raises a RuntimeError
+    before any change. Both read one flag a call on the host (on a GPU, a sync); choose "skip" after
+    `scaler.unscale_()`, where NaN steps are routine.
 
     Args:
         quantile: which quantile of the history is the threshold, in [0, 1].
@@ -116,9 +218,7 @@ class ClipGradByQuantile(_StatefulClip):
     ):
         self.quantile = _check_fraction("quantile", quantile, low_open=False, high_open=False)
         self.history_length = _check_count("history_length", history_length)
-        if not isinstance(global_threshold, bool):
-            raise TypeError(f"global_threshold must be a bool, got {global_threshold!r}")
-        self.global_threshold = global_threshold
+        self.global_threshold = _check_bool("global_threshold", global_threshold)
         self.nonfinite = _policy(nonfinite)
         if process_group is not None and not global_threshold:
             raise ValueError(
@@ -126,11 +226,8 @@ class ClipGradByQuantile(_StatefulClip):
                 "needs each parameter's whole gradient, which hand shards split across ranks)"
             )
         self.process_group = process_group
-        # One row per history (one in global mode; per parameter, see _ParamRows, otherwise), NaN where
-        # nothing was recorded yet; counts[row] on the host: how many norms the row has seen.
-        self.history = torch.full((1 if global_threshold else 0, history_length), math.nan, dtype=torch.float64)
-        self.counts: list[int] = [0] * self.history.shape[0]
-        self._window: _SortedWindow | None = None  # the global history, sorted, for the host rule
+        rows = 1 if global_threshold else 0  # per-parameter rows come with their parameters
+        self._restart_history(self._empty_rings(rows), [0] * rows)
         self._rows = _ParamRows()
         self.last_norms: Tensor | None = None
 
@@ -171,104 +268,28 @@ class ClipGradByQuantile(_StatefulClip):
         _scale(grads, scale[0] if self.global_threshold else scale)
 
     def _clip_global_on_host(self, grads: list[Tensor], norm: Tensor) -> None:
-        """The global rule where the norm is in host memory: read without waiting, and the quantile taken
-        from a sorted copy of the window kept beside the ring. After a step's memory pass, torch.quantile
-        and the 0-d ops around it ran with their code out of cache: ~0.25 ms a call, 12% of a ResNet-50
-        norm pass on 2 cores. The arithmetic is the tensor rule's, in float64."""
+        """The global rule where the norm is in host memory, on floats: torch.quantile and the 0-d ops around
+        it, run with their code out of cache after a step's memory pass, cost more than the norms."""
         self.history = self._on(self.history, norm.device)
-        value, threshold = norm.item(), self._host_threshold()
-        coefficient = 1.0
-        if threshold is not None:
-            coefficient = _divide(threshold, value + _COEFFICIENT_EPS)
-            coefficient = coefficient if not coefficient > 1.0 else 1.0  # torch.clamp's: NaN stays NaN
+        threshold = self._host_threshold()
+        coefficient = 1.0 if threshold is None else _clip_coefficient_on_host(threshold, norm.item())
         if self._observe_global_on_host(norm) and coefficient != 1.0:
             _scale(grads, torch.tensor(coefficient, dtype=torch.float64))
 
     def _observe_global_on_host(self, norm: Tensor) -> bool:
-        """Adds the global norm (0-d, in host memory) to the history and the sorted window where nonfinite
-        admits it, and says whether it did."""
+        """Records the global norm (0-d, in host memory) where nonfinite admits it, and says whether it did."""
         self.last_norms = norm
         if not self._admits(norm):
             return False
-        value, count = norm.item(), self.counts[0]
-        slot = count % self.history_length
-        self._host_window().replace(self.history[0, slot].item() if count >= self.history_length else None, value)
-        self.history[0, slot] = value
-        self.counts[0] += 1
+        self._record_on_host(norm.item())
         return True
-
-    def _host_threshold(self) -> float | None:
-        """The global rule's max_norm from the host window; None before any norm was recorded (the first
-        call clips nothing)."""
-        return self._host_window().quantile(self.quantile) if self.counts[0] > 0 else None
-
-    def _host_window(self) -> _SortedWindow:
-        if self._window is None:
-            self._window = _SortedWindow(self.history[0, : min(self.counts[0], self.history_length)].tolist())
-        return self._window
-
-    def _fit_rows(self, count: int, reclaimed: list[int], device) -> None:
-        if count > self.history.shape[0]:
-            grow = torch.full(
-                (count - self.history.shape[0], self.history_length), math.nan, dtype=torch.float64, device=device
-            )
-            self.history = torch.cat([self.history, grow])
-            self.counts += [0] * grow.shape[0]
-        if reclaimed:
-            self.history.index_fill_(0, _to_device(reclaimed, device), math.nan)
-            for r in reclaimed:
-                self.counts[r] = 0
-
-    def _thresholds(self, rows: list[int], device) -> Tensor:
-        """quantile of each row's recorded norms; inf for a row with none."""
-        filled = [min(self.counts[r], self.history_length) for r in rows]
-        if all(f == filled[0] for f in filled):  # the usual case: every row has seen as many norms
-            return self._quantiles(rows, filled[0], device)
-        thresholds = torch.empty(len(rows), dtype=torch.float64, device=device)
-        for count in set(filled):
-            at = [i for i, f in enumerate(filled) if f == count]
-            thresholds.index_copy_(0, _to_device(at, device), self._quantiles([rows[i] for i in at], count, device))
-        return thresholds
-
-    def _quantiles(self, rows: list[int], filled: int, device) -> Tensor:
-        """The quantile of the first `filled` slots of each of `rows`, the norms they recorded (a ring
-        fills in order, and order does not matter to a quantile): torch.quantile, the reference's, so a
-        recorded NaN norm gives NaN as there. (nanquantile over whole rows cost ~0.1 ms a call.)"""
-        if filled == 0:
-            return torch.full((len(rows),), math.inf, dtype=torch.float64, device=device)
-        if self._every_row_in_order(rows):
-            window = self.history[:, :filled]
-        else:
-            window = self.history.index_select(0, _to_device(rows, device))[:, :filled]
-        return torch.quantile(window, self.quantile, dim=1)
-
-    def _every_row_in_order(self, rows: list[int]) -> bool:
-        """Whether `rows` are all of the history's, in order: then a slice of it, no index tensors."""
-        return rows == list(range(self.history.shape[0]))
-
-    def _record_norms(self, rows: list[int], norms: Tensor, device) -> None:
-        slots = [self.counts[r] % self.history_length for r in rows]
-        if self._every_row_in_order(rows) and all(s == slots[0] for s in slots):
-            self.history[:, slots[0]] = norms  # (no index tensors to build and copy)
-        else:
-            self.history.index_put_((_to_device(rows, device), _to_device(slots, device)), norms)
-        for r in rows:
-            self.counts[r] += 1
 
     def state_dict(self) -> dict[str, Tensor]:
         """The histories (a row per parameter, see _ParamRows) and their counts, as tensors."""
-        return {"history": self.history.clone(), "counts": torch.tensor(self.counts, dtype=torch.int64)}
+        return self._history_state()
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        history = state.get("history") if isinstance(state, dict) else None
-        rows = history.shape[0] if isinstance(history, Tensor) and history.dim() == 2 else -1
-        _check_state(type(self).__name__, state, {"history": (rows, self.history_length), "counts": (rows,)})
-        if self.global_threshold and rows != 1:
-            raise ValueError(f"{type(self).__name__}.load_state_dict: a global clip has one history, got {rows}")
-        self.history = state["history"].to(self.history.device, torch.float64, copy=True)
-        self.counts = [int(c) for c in state["counts"].tolist()]
-        self._window = None
-        self._rows = _ParamRows(rows)
+        self._rows = _ParamRows(self._load_history(state))
 
     def __repr__(self):
         return (

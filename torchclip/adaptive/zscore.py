@@ -12,6 +12,8 @@ from torch import Tensor
 from torchclip._arguments import _policy
 from torchclip.adaptive._state import (
     _COEFFICIENT_EPS,
+    _check_bool,
+    _check_choice,
     _check_count,
     _check_fraction,
     _check_positive,
@@ -24,6 +26,47 @@ from torchclip.adaptive._state import (
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+
+
+def _zclip_rule(settings: ClipGradByZScore, norm, mean, var, where):
+    """ZClip's step after warm-up under a clip's settings: (coefficient, new mean, new var) from the global
+    norm and the statistics, all Python floats, or all 0-d tensors with torch.where as `where`. The
+    reference's order of operations, term by term."""
+    std = var**0.5
+    if settings.mode == "percentile":
+        threshold = mean + settings.z_thresh * std
+        spike = norm > threshold
+    else:
+        z = _divide(norm - mean, std + settings.eps)
+        spike = z > settings.z_thresh
+        if settings.clip_option == "adaptive_scaling":
+            threshold = (mean + _divide(settings.z_thresh * std, z / settings.z_thresh)) * settings.clip_factor
+        else:
+            threshold = mean
+    observed = where(spike, threshold, norm)
+    # min(observed, max_grad_norm) with the reference's NaN rule: a NaN observed value stays NaN.
+    cap = settings.max_grad_norm
+    target = observed if cap is None else where(cap < observed, cap, observed)
+    coefficient = where(norm > target, target / (norm + _COEFFICIENT_EPS), 1.0)
+    new_mean = settings.alpha * mean + (1 - settings.alpha) * observed
+    new_var = settings.alpha * var + (1 - settings.alpha) * (observed - new_mean) ** 2
+    if settings.skip_update_on_spike:
+        new_mean, new_var = where(spike, mean, new_mean), where(spike, var, new_var)
+    return coefficient, new_mean, new_var
+
+
+def _choose(condition: bool, a, b):
+    """torch.where for Python values."""
+    return a if condition else b
+
+
+def _zclip_step(settings: ClipGradByZScore, norm: Tensor, mean: Tensor, var: Tensor) -> tuple[Tensor, ...]:
+    """_zclip_rule on 0-d float64 tensors: on a device as tensor ops there; in host memory on Python floats,
+    as zclip's (the read waits for nothing), where a dozen 0-d tensor ops would cost more than the norms."""
+    if norm.device.type != "cpu":
+        return _zclip_rule(settings, norm, mean, var, torch.where)
+    step = _zclip_rule(settings, norm.item(), mean.item(), var.item(), _choose)
+    return tuple(torch.tensor(x, dtype=torch.float64) for x in step)
 
 
 class ClipGradByZScore(_StatefulClip):
@@ -48,14 +91,12 @@ class ClipGradByZScore(_StatefulClip):
     the last call's, and `mean`, `var` the statistics, all tensors on the gradients' device. A call
     with no gradient to clip changes nothing (the reference records a norm of 0 there).
 
-    `nonfinite`, for a NaN or inf global norm: "propagate" (the default) is zclip's rule, so that the
-    clip is the reference step for step (tests/test_adaptive_zscore.py) and reads nothing back from a
-    GPU, but one such norm makes mean and var NaN for the rest of the run: no later spike is found
-    again, and with max_grad_norm=None nothing is clipped again. "skip" leaves the call out: no gradient
-    is scaled, mean, var and the step count stay as they were, `found_nonfinite` is set and an optimizer
-    hook skips the step. "raise" raises a RuntimeError before any change. Choose "skip" where NaN steps
-    are routine (clipping after `scaler.unscale_()`); it reads one flag per call on the host (on a GPU,
-    a sync).
+    `nonfinite`, for a NaN or inf global norm: "propagate" (the default) is zclip's rule and reads nothing
+    back from a GPU, but one such norm makes mean and var NaN for the rest of the run: no later spike is
+    found again, and with max_grad_norm=None nothing is clipped again. "skip" leaves the call out (nothing
+    scaled, mean, var and the step count kept, `found_nonfinite` set, an optimizer hook skips the step);
+    "raise" raises a RuntimeError before any change. Both read one flag a call on the host (on a GPU, a
+    sync); choose "skip" after `scaler.unscale_()`, where NaN steps are routine.
 
     Args:
         alpha: the EMA coefficient of mean and variance, in (0, 1).
@@ -98,15 +139,10 @@ class ClipGradByZScore(_StatefulClip):
         self.max_grad_norm = None if max_grad_norm is None else _check_positive("max_grad_norm", max_grad_norm)
         self.eps = _check_positive("eps", eps, allow_zero=True)
         self.warmup_steps = _check_count("warmup_steps", warmup_steps)
-        if mode not in ("zscore", "percentile"):
-            raise ValueError(f"mode must be 'zscore' or 'percentile', got {mode!r}")
-        if clip_option not in ("adaptive_scaling", "mean"):
-            raise ValueError(f"clip_option must be 'adaptive_scaling' or 'mean', got {clip_option!r}")
-        self.mode, self.clip_option = mode, clip_option
+        self.mode = _check_choice("mode", mode, ("zscore", "percentile"))
+        self.clip_option = _check_choice("clip_option", clip_option, ("adaptive_scaling", "mean"))
         self.clip_factor = _check_positive("clip_factor", clip_factor)
-        if not isinstance(skip_update_on_spike, bool):
-            raise TypeError(f"skip_update_on_spike must be a bool, got {skip_update_on_spike!r}")
-        self.skip_update_on_spike = skip_update_on_spike
+        self.skip_update_on_spike = _check_bool("skip_update_on_spike", skip_update_on_spike)
         self.nonfinite = _policy(nonfinite)
         self.process_group = process_group
         self.steps = 0  # calls that clipped gradients, counted on the host
@@ -150,7 +186,7 @@ class ClipGradByZScore(_StatefulClip):
         self.mean, self.var = self._on(self.mean, device), self._on(self.var, device)
         if self.steps < self.warmup_steps:
             self.warmup_norms[self.steps] = norm
-            if self.steps + 1 == self.warmup_steps:
+            if self.steps + 1 == self.warmup_steps:  # the EMA starts from the warm-up's statistics
                 self.mean = self.warmup_norms.mean()
                 self.var = ((self.warmup_norms - self.mean) ** 2).mean()
             if self.max_grad_norm is None:
@@ -158,52 +194,10 @@ class ClipGradByZScore(_StatefulClip):
             else:
                 coefficient = _clip_coefficient(self.max_grad_norm, norm)
         else:
-            coefficient = self._after_warmup(norm)
+            coefficient, self.mean, self.var = _zclip_step(self, norm, self.mean, self.var)
         self.steps += 1
         self.last_norms, self.last_global_norm, self.last_clip_coef = norms, norm, coefficient
         return coefficient
-
-    def _after_warmup(self, norm: Tensor) -> Tensor:
-        """The clip coefficient after warm-up, and the EMA update. In host memory the numbers are read
-        (it waits for nothing) and the rule runs on Python floats, as zclip's: a dozen 0-d tensor ops
-        cost ~0.1 ms, 7% of a ResNet-50 norm pass on 2 cores. On a device it runs as tensor ops there."""
-        if norm.device.type != "cpu":
-            coefficient, self.mean, self.var = self._zclip_rule(norm, self.mean, self.var, torch.where)
-            return coefficient
-        coefficient, mean, var = self._zclip_rule(
-            norm.item(), self.mean.item(), self.var.item(), lambda c, a, b: a if c else b
-        )
-        self.mean = torch.tensor(mean, dtype=torch.float64)
-        self.var = torch.tensor(var, dtype=torch.float64)
-        return torch.tensor(coefficient, dtype=torch.float64)
-
-    def _zclip_rule(self, norm, mean, var, where):
-        """(coefficient, new mean, new var) from the norm and the statistics: all Python floats, or all
-        0-d tensors with torch.where as `where`. The reference's order of operations, term by term."""
-        std = var**0.5
-        if self.mode == "percentile":
-            threshold = mean + self.z_thresh * std
-            spike = norm > threshold
-        else:
-            z = _divide(norm - mean, std + self.eps)
-            spike = z > self.z_thresh
-            if self.clip_option == "adaptive_scaling":
-                threshold = (mean + _divide(self.z_thresh * std, z / self.z_thresh)) * self.clip_factor
-            else:
-                threshold = mean
-        observed = where(spike, threshold, norm)
-        # min(observed, max_grad_norm) with the reference's NaN rule: a NaN observed value stays NaN.
-        target = (
-            observed
-            if self.max_grad_norm is None
-            else where(self.max_grad_norm < observed, self.max_grad_norm, observed)
-        )
-        coefficient = where(norm > target, target / (norm + _COEFFICIENT_EPS), 1.0)
-        new_mean = self.alpha * mean + (1 - self.alpha) * observed
-        new_var = self.alpha * var + (1 - self.alpha) * (observed - new_mean) ** 2
-        if self.skip_update_on_spike:
-            new_mean, new_var = where(spike, mean, new_mean), where(spike, var, new_var)
-        return coefficient, new_mean, new_var
 
     def state_dict(self) -> dict[str, Tensor]:
         """The statistics and the step count, as tensors (torch.load(..., weights_only=True) reads it)."""
