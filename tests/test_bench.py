@@ -8,10 +8,11 @@ import sys
 
 import pytest
 import torch
+from testing import cuda_only
 
-import torchclip
 from torchclip.bench import __main__ as bench
-from torchclip.bench import workloads
+from torchclip.bench import adaptive, workloads
+from torchclip.bench.timing import byte_stream_buffer
 
 JSON_FIELDS = {
     "op",
@@ -77,6 +78,26 @@ def test_gradients_are_views_of_the_flat_buffer_or_their_own_allocations(separat
         p.grad.zero_()
     g.reset()  # both layouts hold the flat buffer's (new) values again
     assert torch.equal(torch.cat([p.grad.flatten() for p in g.params]), g.flat) and g.flat.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_bound_of_a_16_bit_row_streams_its_bytes_in_float32(dtype):
+    g = bench.Grads([[3, 4], [6], [2, 2]], dtype)
+    buffer = byte_stream_buffer(g.flat)
+    assert buffer.dtype == torch.float32 and buffer.is_contiguous()
+    assert buffer.numel() * buffer.element_size() == g.flat.numel() * g.flat.element_size()
+    assert buffer.untyped_storage().data_ptr() != g.flat.untyped_storage().data_ptr()
+    assert g.bound_buffer is g.bound_buffer and g.bound_buffer.dtype == torch.float32  # made once per workload
+    for op in bench.OPS:
+        bench.candidates_for(op, g).bound()
+    weights = torch.randn(g.flat.numel(), dtype=dtype)
+    adaptive.candidates("ClipGradByUnitwiseNorm", g, weights)[0][2]()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_bound_of_a_32_or_64_bit_row_is_the_gradients_own_buffer(dtype):
+    g = bench.Grads([[3, 4], [6], [2, 2]], dtype)
+    assert byte_stream_buffer(g.flat) is g.flat and g.bound_buffer is g.flat
 
 
 def test_separate_gradients_run_and_are_named_in_the_header(tmp_path):
@@ -193,10 +214,7 @@ def test_bad_arguments_are_named(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or "cuda" not in torchclip._ops.KERNEL_DEVICES,
-    reason="needs a GPU and torchclip's CUDA kernels",
-)
+@cuda_only
 def test_quick_cuda_run(tmp_path):
     out = tmp_path / "rows.json"
     result = subprocess.run(

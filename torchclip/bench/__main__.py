@@ -9,13 +9,17 @@ Method (the numbers are only worth what the method is):
   its own allocation instead, as autograd leaves them without DDP: torch and torchclip still clip the
   same tensors, but the bound then reads other pages, and with many small tensors there is more
   metadata to reach (each its own storage and version counter).
+* For float16 and bfloat16 rows the bound is the same op in float32 over a float32 buffer of the same
+  number of bytes (half the elements; timing.byte_stream_buffer): the time to stream those bytes, since
+  torch's own 16-bit ops run slower than the memory on a CPU. That buffer is its own allocation, so
+  these rows' ratios carry the placement noise above.
 * torch (foreach and not), torchclip and the bound run interleaved in one process, after warm-up, in
   orders where each runs right after each other one equally often (balanced_orders: what ran just
   before a call changes its time); the table shows medians and the spread (interquartile range /
   median).
 * --device cuda times the same rows on the GPU: each call is bracketed by torch.cuda.synchronize(), so
   a row is the time until the device has finished, and the bound is the device's own memory speed
-  (the same single ops on the flat buffer in device memory).
+  (the same single ops on the same buffers in device memory).
 * --params generator hands every candidate a fresh generator over the parameters (gradients for
   get_total_norm), as training loops pass model.parameters(), instead of the list (the default).
 * "clip" rows scale every gradient on every call: each call's max_norm is 0.9 x the gradients' norm

@@ -4,9 +4,10 @@ Per clip and workload, four candidates run interleaved (balanced orders, medians
 the reference package's own call (zclip 1.0.0's ZClip.step, autoclip 0.2.1's global QuantileClip.step,
 timm's adaptive_clip_grad), torchclip's clip, ClipGradByGlobalNorm (what a fixed threshold costs), and
 the memory bound: one read of the gradients (torch's sum over one buffer), or for ClipGradByUnitwiseNorm
-one read of the weights and of the gradients, which AGC must read. A reference that is not installed
-is left out (its column is empty). The parameters are views of one weight buffer (random, so that AGC
-clips some units), the gradients views of another.
+one read of the weights and of the gradients, which AGC must read; for float16 and bfloat16 the sum is
+float32's over as many bytes (timing.byte_stream_buffer), the time to stream them. A reference that is
+not installed is left out (its column is empty). The parameters are views of one weight buffer (random,
+so that AGC clips some units), the gradients views of another.
 
 Every call gets a new step's gradients, untimed: the first ones times a factor drawn around 1 (standard
 deviation 5%), so that the norm moves from call to call as in training and each clip makes its own
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 import torchclip
-from torchclip.bench.timing import each_job, format_columns, interleave, no_sync
+from torchclip.bench.timing import byte_stream_buffer, each_job, format_columns, interleave, no_sync
 
 CLIPS = ["ClipGradByZScore", "ClipGradByQuantile (global)", "ClipGradByUnitwiseNorm"]
 DEFAULT_WORKLOADS = ["gpt2_124m", "resnet50"]
@@ -109,11 +110,13 @@ def candidates(clip_name, grads, weights):
     """torchclip's clip, ClipGradByGlobalNorm, the bound, and the reference (None if not installed)."""
     params = grads.params
     clip, global_norm = torchclip_clip(clip_name), torchclip.ClipGradByGlobalNorm(FIXED_CLIP_NORM)
+    bound_buffers = [grads.bound_buffer]
+    if clip_name == "ClipGradByUnitwiseNorm":  # AGC reads the weights too
+        bound_buffers.insert(0, byte_stream_buffer(weights))
 
     def bound():
-        if clip_name == "ClipGradByUnitwiseNorm":
-            weights.sum()
-        grads.flat.sum()
+        for buffer in bound_buffers:
+            buffer.sum()
 
     return [lambda: clip(params), lambda: global_norm(params), bound], reference_for(clip_name, params)
 

@@ -52,7 +52,7 @@ class ClipTarget:
 
 
 def candidates_for(op, g: Grads, as_generators=False) -> Candidates:
-    flat = g.flat
+    bound_buffer = g.bound_buffer
     if as_generators:  # a new one per call: a generator is spent once read
 
         def params():
@@ -68,8 +68,8 @@ def candidates_for(op, g: Grads, as_generators=False) -> Candidates:
         def grads():
             return g.grads
 
-    norm_bound = lambda: flat.sum()
-    norm_scale_bound = lambda: (flat.sum(), flat.mul_(1.0))
+    norm_bound = lambda: bound_buffer.sum()
+    norm_scale_bound = lambda: (bound_buffer.sum(), bound_buffer.mul_(1.0))
     if op == "clip_grad_norm_ (no clip)":
         return Candidates(
             lambda: torch.nn.utils.clip_grad_norm_(params(), 1e30),
@@ -101,7 +101,7 @@ def candidates_for(op, g: Grads, as_generators=False) -> Candidates:
             lambda: torch.nn.utils.clip_grad_value_(params(), 0.5),
             lambda: torch.nn.utils.clip_grad_value_(params(), 0.5, foreach=False),
             lambda: torchclip.clip_grad_value_(params(), 0.5),
-            lambda: flat.clamp_(-0.5, 0.5),
+            lambda: bound_buffer.clamp_(-0.5, 0.5),
             2,
         )
     if op == "ClipGradByGlobalNorm (clip)":
@@ -141,7 +141,7 @@ def candidates_for(op, g: Grads, as_generators=False) -> Candidates:
             lambda: (torch._foreach_clamp_min_(g.grads, -0.25), torch._foreach_clamp_max_(g.grads, 0.5)),
             lambda: [t.clamp_(-0.25, 0.5) for t in g.grads],
             lambda: clip(params()),
-            lambda: flat.clamp_(-0.25, 0.5),
+            lambda: bound_buffer.clamp_(-0.25, 0.5),
             2,
         )
     raise ValueError(op)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import platform
 
@@ -22,6 +23,18 @@ def row_label(row, vary_dtype: bool, vary_threads: bool) -> str:
     if vary_threads:
         label += f" · {row.threads} thr"
     return label
+
+
+def label_log_axis(axis, values) -> None:
+    """Labels a log x axis at 1, 2 and 5 x 10^k (at 10^k alone past three decades), as plain numbers,
+    and leaves the minor ticks unlabelled: matplotlib labels them on short ranges, over each other."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    low, high = min(*values, 1.0), max(*values, 1.0)  # the axis always shows 1, where the line is
+    per_decade = (1.0,) if math.log10(high / low) > 3 else (1.0, 2.0, 5.0)
+    axis.xaxis.set_major_locator(LogLocator(base=10, subs=per_decade))
+    axis.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+    axis.xaxis.set_minor_formatter(NullFormatter())
 
 
 def plot(rows, path: str, title: str) -> None:
@@ -52,6 +65,8 @@ def plot(rows, path: str, title: str) -> None:
     right.set_xlabel("torchclip time / bound time (log scale; 1 = one pass over one buffer)")
     for yi, r in zip(y, rows):
         right.text(r.bound_ratio, yi, f" {r.bound_ratio:.2f}", va="center", fontsize=7)
+    label_log_axis(left, [r.speedup for r in rows])
+    label_log_axis(right, [r.bound_ratio for r in rows])
     for axis in (left, right):
         axis.margins(x=0.15)  # room for the value labels
         axis.grid(axis="x", alpha=0.3)
@@ -74,8 +89,10 @@ def markdown_page(rows, table: str, header: str, command: str, plot_path: str | 
         "",
         "Columns: torch ms is torch.nn.utils with its defaults (foreach on CPU), no-foreach ms the same with",
         "foreach=False; bound ms is torch's fastest single op over the same bytes in one buffer (sum for a",
-        "norm, sum + mul_ for norm + scale, clamp_ for value); x bound = torchclip ms / bound ms; spread is",
-        "the largest interquartile range / median of the four. The method is in torchclip/bench/__main__.py.",
+        "norm, sum + mul_ for norm + scale, clamp_ for value); for float16 and bfloat16 rows it is the float32",
+        "op over a float32 buffer of the same number of bytes (half the elements), the time to stream those",
+        "bytes, since torch's 16-bit ops are slower than the memory; x bound = torchclip ms / bound ms; spread",
+        "is the largest interquartile range / median of the four. The method is in torchclip/bench/__main__.py.",
         "What clipping adds to a fused optimizer step is on RESULTS-step.md (`torchclip-bench --step`).",
         "",
     ]

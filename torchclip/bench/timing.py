@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -9,6 +10,16 @@ import time
 import torch
 
 from torchclip.bench import workloads
+
+
+def byte_stream_buffer(flat: torch.Tensor) -> torch.Tensor:
+    """The buffer the bound's torch op runs over: `flat` itself in float32 and float64; for float16
+    and bfloat16 a new float32 buffer of the same number of bytes (half the elements, an odd one
+    dropped), because torch's 16-bit ops are slower than the memory on a CPU and the bound is the
+    time to stream the bytes. It holds `flat`'s first values, so none is denormal (slow on some CPUs)."""
+    if flat.dtype not in (torch.float16, torch.bfloat16):
+        return flat
+    return flat[: flat.numel() * flat.element_size() // 4].float()
 
 
 class Grads:
@@ -29,6 +40,11 @@ class Grads:
             p.grad = view.clone() if separate else view
             self.params.append(p)
         self.grads = [p.grad for p in self.params]
+
+    @functools.cached_property
+    def bound_buffer(self) -> torch.Tensor:
+        """byte_stream_buffer(self.flat), made once: every row of the workload streams the same pages."""
+        return byte_stream_buffer(self.flat)
 
     def reset(self):
         torch.manual_seed(0)
