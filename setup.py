@@ -27,6 +27,7 @@ import os
 import platform
 import re
 import shutil
+import subprocess
 
 SUPPORTED_TORCH = ((2, 11), (2, 15))  # pyproject.toml's torch>=2.11,<2.16
 
@@ -86,6 +87,16 @@ def cpu_isas():
     return names
 
 
+def nvcc_release(nvcc: str):
+    """The toolkit's release ("13.0") from `nvcc --version`, or None where it does not say."""
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"release (\d+\.\d+)", out)
+    return found.group(1) if found else None
+
+
 def cuda_decision():
     """(build the CUDA kernels?, why), from TORCHCLIP_CUDA, torch's CUDA version and nvcc."""
     mode = os.environ.get("TORCHCLIP_CUDA", "auto").strip().lower() or "auto"
@@ -107,6 +118,16 @@ def cuda_decision():
         if mode == "1":
             raise SystemExit("TORCHCLIP_CUDA=1, but " + "; ".join(missing))
         return False, "TORCHCLIP_CUDA=auto: " + "; ".join(missing)
+    toolkit = nvcc_release(nvcc)
+    if toolkit and toolkit.split(".")[0] != torch.version.cuda.split(".")[0]:
+        # torch's own check would stop the build later with a traceback; a minor difference only warns
+        refuse(
+            f"the CUDA toolkit at {home} is CUDA {toolkit}, but torch {torch.__version__} was built with CUDA "
+            f"{torch.version.cuda}, and kernels compiled by one major release cannot link against the other.",
+            f"Point CUDA_HOME at a CUDA {torch.version.cuda.split('.')[0]}.x toolkit (or install one: "
+            "https://developer.nvidia.com/cuda-toolkit-archive), or build without the CUDA kernels:\n"
+            "    TORCHCLIP_CUDA=0 pip install --no-build-isolation .",
+        )
     arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "torch's default")
     return True, f"TORCHCLIP_CUDA={mode}: torch {torch.__version__} (CUDA {torch.version.cuda}), {nvcc}, arch {arch}"
 
