@@ -11,8 +11,8 @@
 #include <ATen/ops/ones.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 #include <c10/util/string_view.h>
 
 #include <algorithm>
