@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cpu/kernel_loader.h"
+#include "cpu/ops_cpu.h"
 #include "walk/fast_path.h"
 #include "walk/param_walk.h"
 
@@ -43,6 +44,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("load_cpu_kernels", &torchclip::load_cpu_kernels, py::arg("path"),
       "Load a per-ISA CPU kernel library and use it for every CPU op from now on.");
   m.def("loaded_cpu_capability", &torchclip::loaded_cpu_capability);
+  m.def("set_exact_norms", &torchclip::set_exact_norms, py::arg("enabled"),
+      "Exact p = 1 and 2 norms on the CPU from now on (or not); returns the previous setting.");
+  m.def("exact_norms_enabled", &torchclip::exact_norms_enabled);
   m.def("cpu_runs", &torchclip::cpu_runs, py::arg("capability"),
       "Whether this CPU has every instruction set of the kernel library for `capability`");
   m.def(

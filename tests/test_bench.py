@@ -10,6 +10,7 @@ import pytest
 import torch
 from testing import cuda_only
 
+import torchclip
 from torchclip.bench import __main__ as bench
 from torchclip.bench import adaptive, workloads
 from torchclip.bench.timing import byte_stream_buffer
@@ -124,6 +125,22 @@ def test_separate_gradients_run_and_are_named_in_the_header(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "gradients: separate allocations" in result.stdout.splitlines()[0]
     assert json.loads(out.read_text())["grads"] == "separate"
+
+
+def test_exact_rows_time_the_exact_norms_beside_todays(tmp_path):
+    out = tmp_path / "rows.json"
+    argv = ["--quick", "--workload", "10000x100", "--rounds", "2", "--exact", "--json", str(out)]
+    result = subprocess.run(
+        [sys.executable, "-m", "torchclip.bench", *argv], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert "exact ms" in result.stdout and "exact x" in result.stdout
+    for row in json.loads(out.read_text())["rows"]:
+        assert (row["exact_ms"] is not None) == (row["op"] in bench.NORM_OPS), row["op"]
+    calls = []
+    exact_call = bench.with_exact_norms(lambda: calls.append(torchclip.get_exact_norm()))
+    exact_call()
+    assert calls == [True] and torchclip.get_exact_norm() is False
 
 
 def test_generator_parameters_run_and_are_named_in_the_header(tmp_path):

@@ -733,6 +733,13 @@ ROWS = [
         ValueError,
         r"capability must be one of .*, got 'SSE'",
     ),
+    (
+        "set_exact_norm",
+        "enabled 1",
+        lambda m: torchclip.set_exact_norm(1),
+        TypeError,
+        r"enabled must be a bool, got 1",
+    ),
     # TensorFlow's names
     (
         "clip_by_value",

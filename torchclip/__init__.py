@@ -6,7 +6,7 @@ classes usable as optimizer hooks (torchclip.optim), all on the same fused multi
 """
 
 from torchclip import optim
-from torchclip._ops import cpu_capabilities, get_cpu_capability, set_cpu_capability
+from torchclip._ops import cpu_capabilities, get_cpu_capability, get_exact_norm, set_cpu_capability, set_exact_norm
 from torchclip.adaptive import (
     ClipGradByNormEMA,
     ClipGradByQuantile,
@@ -63,12 +63,14 @@ __all__ = [
     "cpu_capabilities",
     "exclude_from_clipping",
     "get_cpu_capability",
+    "get_exact_norm",
     "get_total_norm",
     "global_norm",
     "grad_norm",
     "optim",
     "patch",
     "set_cpu_capability",
+    "set_exact_norm",
     "set_gradient_clip",
     "set_need_clip",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import importlib
 import os
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -112,6 +113,59 @@ def _default_cpu_capability() -> str:
 
 
 set_cpu_capability(_default_cpu_capability())
+
+
+def set_exact_norm(enabled: bool) -> bool:
+    """Take every p = 1 and p = 2 norm of CPU gradients exactly, process-wide, from now on (or not).
+
+    An exact norm is the true norm rounded once: the sum of every |x| or x^2 is held exactly (a
+    fixed-point accumulator over float64's range), then rounded (p = 1) or square-rooted (p = 2) correctly
+    to float64, and a narrower result rounded from that. It is a function of the gradients alone: the same
+    bits whatever the thread count, the order of the list or how tensors are cut into views. The clip
+    coefficient follows from it in one fixed way, so the clipped gradients are the same bits too.
+    TORCHCLIP_EXACT_NORM=1 sets it at import. Other orders keep float64 accumulation; CUDA gradients,
+    sharded totals and sparse gradients are not exact yet (docs/performance.md says what exact costs).
+
+    Args:
+        enabled: True for exact norms, False for float64 accumulation (the default).
+
+    Returns:
+        The previous setting.
+
+    Raises:
+        TypeError: `enabled` is not a bool.
+
+    Example:
+        >>> previous = torchclip.set_exact_norm(True)
+        >>> torchclip.get_total_norm([torch.full((3,), 1e-30), torch.full((1,), 1e30)]).item()
+        1.0000000150474662e+30
+        >>> torchclip.set_exact_norm(previous)
+        True
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_exact_norm: enabled must be a bool, got {enabled!r}")
+    if enabled and torch.cuda.is_available():
+        warnings.warn(
+            "torchclip.set_exact_norm: exact norms cover CPU gradients so far; CUDA gradients keep float64 "
+            "accumulation (accurate, but not the same bits as the CPU's)",
+            stacklevel=2,
+        )
+    return _C.set_exact_norms(enabled)
+
+
+def get_exact_norm() -> bool:
+    """Whether p = 1 and p = 2 norms of CPU gradients are taken exactly (`set_exact_norm`)."""
+    return _C.exact_norms_enabled()
+
+
+def _exact_norm_from_environment() -> bool:
+    value = os.environ.get("TORCHCLIP_EXACT_NORM", "0").strip()
+    if value not in ("0", "1", ""):
+        raise ValueError(f"TORCHCLIP_EXACT_NORM must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+set_exact_norm(_exact_norm_from_environment())
 
 # ---- op wrappers and fakes (same order as csrc/ops.cpp) ------------------------------------------
 

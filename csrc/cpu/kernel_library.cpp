@@ -12,6 +12,7 @@ extern "C" __attribute__((visibility("default"))) const torchclip::cpu::KernelTa
       torchclip::cpu::kKernelAbiVersion,
       TORCHCLIP_CPU_CAPABILITY,
       &torchclip::cpu::tensor_norms,
+      &torchclip::cpu::exact_norms,
       &torchclip::cpu::scale,
       &torchclip::cpu::clamp,
       &torchclip::cpu::unitwise_clip,

@@ -9,12 +9,13 @@
 
 #include <cstdint>
 
+#include "exact_sum.h"     // ExactSum: the exact norms' accumulator
 #include "kernel_types.h"  // DType, NormKind, NormOrder: shared with the CUDA kernels
 
 namespace torchclip::cpu {
 
 // Bumped whenever a struct below changes layout, so a stale kernel library is refused, not misread.
-constexpr int32_t kKernelAbiVersion = 3;
+constexpr int32_t kKernelAbiVersion = 4;
 
 // A dense, non-overlapping run of `numel` elements: either a contiguous tensor or any tensor whose
 // strides are a permutation of contiguous ones. Element order does not matter to any kernel here
@@ -39,6 +40,12 @@ struct KernelTable {
   // norms[i] = the `order`-norm of spans[i], accumulated in float64 (scaled where float64 itself
   // would overflow or underflow), so it is exact to float64 rounding for every input dtype.
   void (*tensor_norms)(const TensorSpan* spans, int64_t count, NormOrder order, double* norms);
+
+  // The exact norms, kind One or Two: norms[i] = spans[i]'s norm correctly rounded to float64 (NaN where
+  // it holds a NaN, else inf where it holds an inf), *total = the exact sum of every span's |x| or x^2, and
+  // *total_flags = 1 if a NaN was met, | 2 if an inf was.
+  void (*exact_norms)(const TensorSpan* spans, int64_t count, NormKind kind, double* norms, ExactSum* total,
+      int32_t* total_flags);
 
   // spans[i] *= scales[i] in place, multiplied in float32 for 16/32-bit dtypes (as torch does, with a
   // float32 opmath) and in float64 for float64. A span whose scale rounds to exactly 1 is not written.

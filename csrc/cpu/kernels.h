@@ -7,6 +7,8 @@
 namespace torchclip::cpu {
 
 void tensor_norms(const TensorSpan* spans, int64_t count, NormOrder order, double* norms);
+void exact_norms(const TensorSpan* spans, int64_t count, NormKind kind, double* norms, ExactSum* total,
+    int32_t* total_flags);
 void scale(const TensorSpan* spans, int64_t count, const double* scales);
 void clamp(const TensorSpan* spans, int64_t count, double lo, double hi);
 void unitwise_clip(const TensorSpan* weights, const TensorSpan* grads, int64_t count, NormOrder order,

@@ -43,15 +43,6 @@ inline double horizontal_max(V v) {
   }
   return m;
 }
-template <typename V>
-inline bool any_lane(V mask) {
-  for (int i = 0; i < static_cast<int>(sizeof(V) / sizeof(mask[0])); ++i) {
-    if (mask[i]) {
-      return true;
-    }
-  }
-  return false;
-}
 
 // p in {1, 2, inf} over float16 / bfloat16 / float32: widen each block to float32, then
 // each half of it to float64.

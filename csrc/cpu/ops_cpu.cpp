@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -17,6 +18,18 @@
 #include "ops_cpu.h"
 
 namespace torchclip {
+
+namespace {
+std::atomic<bool> exact_norms{false};
+}  // namespace
+
+bool exact_norms_enabled() {
+  return exact_norms.load(std::memory_order_relaxed);
+}
+
+bool set_exact_norms(bool enabled) {
+  return exact_norms.exchange(enabled);
+}
 
 void Split::add(const at::Tensor& t, int64_t index) {
   promoted = index == 0 ? t.scalar_type() : c10::promoteTypes(promoted, t.scalar_type());
@@ -65,9 +78,62 @@ double aten_norm(const at::Tensor& t, double ord) {
   return scale * at::linalg_vector_norm(t.to(wide) / scale, ord, std::nullopt, false, wide).item<double>();
 }
 
+// Per-tensor norms in float64, and under exact norms the total too, from the exact sum of every term.
+struct WideNorms {
+  std::vector<double> norms;
+  std::optional<double> exact_total;  // correctly rounded; set where the exact norms took the total
+};
+
+// Exact norms (p = 1, 2): the kernels' exact sums over every tensor, those ATen would serve copied dense
+// first (a complex tensor's squared magnitudes are its real view's squares; its p = 1 norm is not a sum
+// of exact terms, so such a list keeps float64 arithmetic for the total).
+WideNorms exact_norms_wide(at::TensorList tensors, const Split& split, double ord) {
+  const NormKind kind = ord == 1.0 ? NormKind::One : NormKind::Two;
+  std::vector<cpu::TensorSpan> spans(split.spans.begin(), split.spans.end());
+  std::vector<int64_t> sources(split.span_source.begin(), split.span_source.end());
+  std::vector<at::Tensor> dense;  // (kept alive while the kernels read them)
+  WideNorms out{std::vector<double>(tensors.size()), std::nullopt};
+  bool all_exact = true;
+  for (int64_t i : split.aten_path) {
+    const at::Tensor& t = tensors[i];
+    if (t.is_complex() && kind == NormKind::One) {
+      out.norms[i] = aten_norm(t, ord);
+      all_exact = false;
+      continue;
+    }
+    const at::Tensor real = (t.is_complex() ? at::view_as_real(t.resolve_conj()) : t).resolve_neg().contiguous();
+    const std::optional<DType> dtype = kernel_dtype(real);
+    if (!dtype) {
+      out.norms[i] = aten_norm(t, ord);
+      all_exact = false;
+      continue;
+    }
+    dense.push_back(real);
+    spans.push_back({dense.back().data_ptr(), dense.back().numel(), *dtype});
+    sources.push_back(i);  // (a complex tensor's p = 2 norm is its real view's)
+  }
+  std::vector<double> span_norms(spans.size());
+  ExactSum total;
+  int32_t flags = 0;
+  cpu_kernels().exact_norms(spans.data(), static_cast<int64_t>(spans.size()), kind, span_norms.data(), &total, &flags);
+  for (size_t k = 0; k < spans.size(); ++k) {
+    out.norms[sources[k]] = span_norms[k];
+  }
+  if (all_exact) {
+    out.exact_total = (flags & 1) ? std::numeric_limits<double>::quiet_NaN()
+        : (flags & 2)             ? std::numeric_limits<double>::infinity()
+        : kind == NormKind::One   ? total.to_double()
+                                  : total.sqrt_rounded();
+  }
+  return out;
+}
+
 // Per-tensor norms in float64: kernels for the spans, ATen (in float64) for the rest.
-std::vector<double> tensor_norms_wide(at::TensorList tensors, const Split& split, double ord, const char* op) {
+WideNorms tensor_norms_wide(at::TensorList tensors, const Split& split, double ord, const char* op) {
   check_norm_inputs(tensors, split.aten_path, ord, op);
+  if (exact_norms_enabled() && (ord == 1.0 || ord == 2.0)) {
+    return exact_norms_wide(tensors, split, ord);
+  }
   std::vector<double> norms(tensors.size());
   if (!split.spans.empty()) {
     std::vector<double> span_norms(split.spans.size());
@@ -80,7 +146,7 @@ std::vector<double> tensor_norms_wide(at::TensorList tensors, const Split& split
   for (int64_t i : split.aten_path) {
     norms[i] = aten_norm(tensors[i], ord);
   }
-  return norms;
+  return {std::move(norms), std::nullopt};
 }
 
 at::Tensor float64_vector(const std::vector<double>& values) {
@@ -152,8 +218,13 @@ void apply_scales(at::TensorList tensors, const Split& split, const std::vector<
 
 // The total norm, in torch's result dtype, of per-tensor norms already computed; raises as torch
 // does when asked to and it is not finite.
-at::Tensor total_of_norms(const std::vector<double>& norms, const Split& split, double ord, bool error_if_nonfinite) {
-  const double total = total_norm(norms.data(), static_cast<int64_t>(norms.size()), norm_order(ord));
+double total_of(const WideNorms& wide, double ord) {
+  return wide.exact_total ? *wide.exact_total
+                          : total_norm(wide.norms.data(), static_cast<int64_t>(wide.norms.size()), norm_order(ord));
+}
+
+at::Tensor total_of_norms(const WideNorms& norms, const Split& split, double ord, bool error_if_nonfinite) {
+  const double total = total_of(norms, ord);
   check_finite_total(total, ord, error_if_nonfinite);
   return scalar_in_dtype(total, total_norm_dtype(split.promoted));
 }
@@ -167,8 +238,8 @@ at::Tensor total_norm_cpu_split(at::TensorList tensors, const Split& split, doub
 
 std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_cpu_split(at::TensorList tensors, const Split& split, double ord,
     bool error_if_nonfinite) {
-  const std::vector<double> norms = tensor_norms_wide(tensors, split, ord, "torchclip.multi_tensor_norm");
-  return {total_of_norms(norms, split, ord, error_if_nonfinite), float64_vector(norms)};
+  const WideNorms norms = tensor_norms_wide(tensors, split, ord, "torchclip.multi_tensor_norm");
+  return {total_of_norms(norms, split, ord, error_if_nonfinite), float64_vector(norms.norms)};
 }
 
 void multi_tensor_clamp_cpu_split(at::TensorList tensors, const Split& split, double min, double max) {
@@ -193,8 +264,9 @@ at::Tensor clip_grad_norm_cpu_split(at::TensorList grads, const Split& split, do
   constexpr const char* op = "torchclip.clip_grad_norm_";
   const NonFinite policy = parse_nonfinite(nonfinite, op);
   check_writable(grads, split.aten_path, op);
-  const std::vector<double> norms = tensor_norms_wide(grads, split, norm_type, op);
-  const double total = total_norm(norms.data(), static_cast<int64_t>(norms.size()), norm_order(norm_type));
+  const WideNorms wide = tensor_norms_wide(grads, split, norm_type, op);
+  const std::vector<double>& norms = wide.norms;
+  const double total = total_of(wide, norm_type);
   check_finite_total(total, norm_type, error_if_nonfinite || policy == NonFinite::Raise);
   // torch's coefficient, max_norm / (total_norm + eps) clamped to at most 1, but from the float64 norm.
   // std::min keeps a NaN coefficient NaN, as torch.clamp does; a zero norm with eps = 0 gives 1.
@@ -216,7 +288,7 @@ at::Tensor clip_by_tensor_norm_cpu_split(at::TensorList tensors, const Split& sp
   constexpr const char* op = "torchclip.clip_by_tensor_norm_";
   const NonFinite policy = parse_nonfinite(nonfinite, op);
   check_writable(tensors, split.aten_path, op);
-  const std::vector<double> norms = tensor_norms_wide(tensors, split, 2.0, op);
+  const std::vector<double> norms = tensor_norms_wide(tensors, split, 2.0, op).norms;
   const bool any_nonfinite = std::any_of(norms.begin(), norms.end(), [](double n) { return !std::isfinite(n); });
   TORCH_CHECK(!(any_nonfinite && policy == NonFinite::Raise), op, kTensorNormNonFinite);
   // Unchanged when norm <= max_norm; otherwise max_norm / norm (NaN for a NaN norm: propagated).

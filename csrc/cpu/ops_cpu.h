@@ -13,6 +13,10 @@
 
 namespace torchclip {
 
+// Exact norms for p = 1 and 2 on the CPU (exact_sum.h), process-wide: torchclip.set_exact_norm.
+bool exact_norms_enabled();
+bool set_exact_norms(bool enabled);  // returns the previous setting
+
 // Checks every tensor (defined, CPU, strided; errors name `op` and the index) and splits the list.
 Split split_tensors(at::TensorList tensors, const char* op);
 

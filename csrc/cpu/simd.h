@@ -50,6 +50,17 @@ inline V splat(std::remove_reference_t<decltype(V{}[0])> x) {
   return V{} + x;
 }
 
+// Whether any lane of a comparison's result is set.
+template <typename V>
+inline bool any_lane(V mask) {
+  for (int i = 0; i < static_cast<int>(sizeof(V) / sizeof(mask[0])); ++i) {
+    if (mask[i]) {
+      return true;
+    }
+  }
+  return false;
+}
+
 inline f32v abs(f32v v) {
   return (f32v)((u32v)v & 0x7FFFFFFFu);
 }

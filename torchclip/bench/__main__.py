@@ -41,7 +41,7 @@ import torch
 
 import torchclip
 from torchclip.bench import adaptive, report, step, workloads
-from torchclip.bench.clip_rows import OPS, candidates_for
+from torchclip.bench.clip_rows import NORM_OPS, OPS, candidates_for
 from torchclip.bench.timing import Grads, balanced_orders, format_columns, interleave, no_sync, timed  # noqa: F401
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -66,6 +66,7 @@ class Row:
     gbps: float
     spread: float
     device: str = "cpu"
+    exact_ms: float | None = None  # torchclip with exact norms (--exact), on the rows that take a norm
 
 
 def run(
@@ -79,6 +80,7 @@ def run(
     device="cpu",
     separate=False,
     as_generators=False,
+    exact=False,
 ):
     rows = []
     sync = torch.cuda.synchronize if device == "cuda" else no_sync
@@ -93,9 +95,11 @@ def run(
             done += 1
             c = candidates_for(op, g, as_generators)
             timed_fns = [c.torch, c.torch_no_foreach, c.torchclip, c.bound]
-            (t_torch, s1), (t_no_foreach, s2), (t_clip, s3), (t_bound, s4) = interleave(
-                timed_fns, rounds, warmup, c.prepare, sync
-            )
+            with_exact = exact and op in NORM_OPS
+            if with_exact:
+                timed_fns.append(with_exact_norms(c.torchclip))
+            timings = interleave(timed_fns, rounds, warmup, c.prepare, sync)
+            t_torch, t_no_foreach, t_clip, t_bound = (median for median, _ in timings[:4])
             bytes_moved = g.flat.numel() * g.flat.element_size() * c.passes
             rows.append(
                 Row(
@@ -112,8 +116,9 @@ def run(
                     t_torch / t_clip,
                     t_clip / t_bound,
                     bytes_moved / t_clip / 1e6,
-                    max(s1, s2, s3, s4),
+                    max(s for _, s in timings),
                     device,
+                    timings[4][0] if with_exact else None,
                 )
             )
             g.reset()
@@ -122,7 +127,21 @@ def run(
     return rows
 
 
+def with_exact_norms(call):
+    """`call` with torchclip's exact norms on (torchclip.set_exact_norm), as it was after."""
+
+    def exact_call():
+        previous = torchclip.set_exact_norm(True)
+        try:
+            return call()
+        finally:
+            torchclip.set_exact_norm(previous)
+
+    return exact_call
+
+
 def format_table(rows) -> str:
+    exact = any(r.exact_ms is not None for r in rows)
     header = [
         "workload",
         "dtype",
@@ -136,7 +155,7 @@ def format_table(rows) -> str:
         "x bound",
         "GB/s",
         "spread",
-    ]
+    ] + (["exact ms", "exact x"] if exact else [])
     return format_columns(
         header,
         [
@@ -154,6 +173,11 @@ def format_table(rows) -> str:
                 f"{r.gbps:.1f}",
                 f"{100 * r.spread:.0f}%",
             ]
+            + (
+                ([f"{r.exact_ms:.3f}", f"{r.exact_ms / r.torchclip_ms:.2f}"] if r.exact_ms is not None else ["-", "-"])
+                if exact
+                else []
+            )
             for r in rows
         ],
         left=4,
@@ -233,6 +257,12 @@ def parse_args(argv):
         f"autoclip, timm) and ClipGradByGlobalNorm (default workloads: "
         f"{', '.join(adaptive.DEFAULT_WORKLOADS)})",
     )
+    parser.add_argument(
+        "--exact",
+        action="store_true",
+        help="also time torchclip with exact norms (torchclip.set_exact_norm) on the rows that take a norm: "
+        "columns exact ms and exact x (exact ms / torchclip ms)",
+    )
     parser.add_argument("--quick", action="store_true", help="small workloads, few rounds: seconds, for CI")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--plot", metavar="PATH", help="also draw speed-up and fraction of the bound (PNG)")
@@ -285,6 +315,7 @@ def main(argv=None) -> int:
         device=args.device,
         separate=args.grads == "separate",
         as_generators=args.params == "generator",
+        exact=args.exact,
     )
     where = (
         f"GPU: {torch.cuda.get_device_name()}"

@@ -19,6 +19,7 @@ OPS = [
     "ClipGradByNorm",
     "ClipGradByValue",
 ]
+NORM_OPS = [op for op in OPS if "Value" not in op and "value" not in op]  # the rows that take a norm
 
 
 @dataclass

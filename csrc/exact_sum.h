@@ -1,0 +1,273 @@
+// An exact sum of float64 values and of exact squares, and its correctly rounded value and square root:
+// the norm as a function of the gradients alone, whatever the order, the threads or the pieces it was
+// summed in. Plain C++ (no ATen), so the per-ISA kernel libraries, the ops and nvcc's host code share it.
+//
+// The sum is a fixed-point number of kDigits base-2^32 digits: bit i weighs 2^(i - kBias), from 2^-2176
+// (below the square of float64's smallest subnormal, 2^-2148) to 2^2176 (above the largest square,
+// 2^2048, times 2^64 terms). Each digit is an int64 holding its 32 bits plus carries not yet propagated,
+// so an addition touches at most five digits and carries only every 2^30 additions.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace torchclip {
+
+class ExactSum {
+ public:
+  static constexpr int kDigitBits = 32;
+  static constexpr int kDigits = 136;
+  static constexpr int kBias = 2176;  // bit 0 weighs 2^-kBias; kDigits * 32 = 2 * kBias: 2^0 in the middle
+
+  // += v, exactly; v finite.
+  void add(double v) {
+    int exponent;
+    const uint64_t mantissa = split(v, &exponent);
+    add_scaled(mantissa, exponent, std::signbit(v));
+  }
+
+  // += v * v, exactly (106-bit integer product); v finite.
+  void add_square(double v) {
+    int exponent;
+    const unsigned __int128 mantissa = split(v, &exponent);
+    add_scaled(mantissa * mantissa, 2 * exponent, false);
+  }
+
+  // += (negative ? -1 : 1) * mantissa * 2^exponent, exactly; mantissa < 2^110, exponent >= -kBias.
+  void add_scaled(unsigned __int128 mantissa, int exponent, bool negative) {
+    if (mantissa == 0) {
+      return;
+    }
+    const int position = exponent + kBias;
+    const int digit = position / kDigitBits, shift = position % kDigitBits;
+    const unsigned __int128 low = mantissa << shift;  // (bits shifted out of 128 go to `high`)
+    const uint64_t high = shift == 0 ? 0 : static_cast<uint64_t>(mantissa >> (128 - shift));
+    const uint64_t parts[5] = {static_cast<uint32_t>(low), static_cast<uint32_t>(low >> 32),
+        static_cast<uint32_t>(low >> 64), static_cast<uint32_t>(low >> 96), high};
+    for (int k = 0; k < 5 && digit + k < kDigits; ++k) {
+      const int64_t part = static_cast<int64_t>(parts[k]);
+      digits_[digit + k] += negative ? -part : part;
+    }
+    touch(digit, digit + 4);
+    if (++pending_ == kCarryEvery) {
+      propagate_carries();
+    }
+  }
+
+  void add(const ExactSum& other) {
+    if (other.top_ < 0) {
+      return;
+    }
+    ExactSum normalised = other;
+    normalised.propagate_carries();
+    propagate_carries();
+    for (int k = normalised.bottom_; k <= normalised.top_; ++k) {
+      digits_[k] += normalised.digits_[k];
+    }
+    touch(normalised.bottom_, normalised.top_);
+    pending_ = 1;
+  }
+
+  bool is_zero() const {
+    for (int k = bottom_; k <= top_; ++k) {
+      if (digits_[k] != 0) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  // The sum rounded to the nearest float64 (ties to even), as a sum that is >= 0.
+  double to_double() const {
+    ExactSum copy = *this;
+    copy.propagate_carries();
+    return copy.rounded(0);
+  }
+
+  // sqrt of the sum (>= 0), rounded to the nearest float64 (ties to even).
+  double sqrt_rounded() const {
+    ExactSum sum = *this;
+    sum.propagate_carries();
+    const int top_bit = sum.top_bit();
+    if (top_bit < 0) {
+      return 0.0;
+    }
+    // An estimate within an ulp or two, from the sum scaled by an even power of two into float64's range.
+    const int half_shift = (top_bit - kBias) / 2;
+    double root = std::ldexp(std::sqrt(sum.rounded(2 * half_shift)), half_shift);
+    // Then the exact comparisons with the midpoints next to it decide.
+    for (int step = 0; step < 4; ++step) {
+      if (std::isinf(root)) {
+        return root;  // (the sum's root is beyond float64's range)
+      }
+      const double up = std::nextafter(root, std::numeric_limits<double>::infinity());
+      const int above = sum.compare_with_midpoint_square(root);
+      if (above > 0) {
+        root = up;
+        continue;
+      }
+      if (above == 0) {
+        return even_of(root, up);
+      }
+      const double down = std::nextafter(root, 0.0);
+      const int below = sum.compare_with_midpoint_square(down);
+      if (below < 0) {
+        root = down;
+        continue;
+      }
+      if (below == 0) {
+        return even_of(down, root);
+      }
+      return root;
+    }
+    return root;  // (not reached: the estimate is within two ulps)
+  }
+
+  // The digits as they are (for an exchange between processes: summing two sums' digits, with carries
+  // propagated on each side first, adds them).
+  void normalise() { propagate_carries(); }
+  const int64_t* digits() const { return digits_; }
+  int64_t* mutable_digits() {
+    bottom_ = 0;
+    top_ = kDigits - 1;
+    return digits_;
+  }
+
+ private:
+  static constexpr int kCarryEvery = 1 << 30;  // each addition moves a digit by < 2^32: no int64 overflow
+
+  // v = mantissa * 2^exponent with an integer mantissa < 2^53.
+  static uint64_t split(double v, int* exponent) {
+    uint64_t bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    const int biased = static_cast<int>((bits >> 52) & 0x7FF);
+    const uint64_t fraction = bits & ((uint64_t{1} << 52) - 1);
+    *exponent = biased == 0 ? -1074 : biased - 1075;
+    return biased == 0 ? fraction : fraction | (uint64_t{1} << 52);
+  }
+
+  static double even_of(double a, double b) {
+    uint64_t bits;
+    std::memcpy(&bits, &a, sizeof(bits));
+    return (bits & 1) == 0 ? a : b;
+  }
+
+  void touch(int bottom, int top) {
+    bottom_ = bottom < bottom_ ? bottom : bottom_;
+    top_ = top > top_ ? (top < kDigits ? top : kDigits - 1) : top_;
+  }
+
+  // Every digit into [0, 2^32) except the last one that holds anything, which keeps the sign. A negative
+  // sum carries up to the last digit (kept negative); lower digits are then its positive remainder.
+  void propagate_carries() {
+    pending_ = 0;
+    if (top_ < 0) {
+      return;
+    }
+    int64_t carry = 0;
+    int k = bottom_;
+    for (; k <= top_ || (carry != 0 && k < kDigits); ++k) {
+      const int64_t value = digits_[k] + carry;
+      carry = value >> kDigitBits;  // floor division: the remainder is >= 0
+      digits_[k] = value - (carry << kDigitBits);
+    }
+    top_ = k - 1;
+    if (carry != 0) {  // (a sum beyond 2^2176, or a negative one: the last digit keeps the sign)
+      digits_[kDigits - 1] += carry << kDigitBits;
+    }
+    while (top_ >= bottom_ && digits_[top_] == 0) {
+      --top_;
+    }
+    while (bottom_ <= top_ && digits_[bottom_] == 0) {
+      ++bottom_;
+    }
+    if (top_ < bottom_) {
+      bottom_ = kDigits;
+      top_ = -1;
+    }
+  }
+
+  // The index of the highest set bit of a carried, non-negative sum; -1 for zero.
+  int top_bit() const {
+    if (top_ < 0) {
+      return -1;
+    }
+    const uint64_t digit = static_cast<uint64_t>(digits_[top_]);
+    return top_ * kDigitBits + 63 - __builtin_clzll(digit);
+  }
+
+  // The carried, non-negative sum times 2^-shift, rounded to the nearest float64 (ties to even).
+  double rounded(int shift) const {
+    const int top_bit = this->top_bit();
+    if (top_bit < 0) {
+      return 0.0;
+    }
+    const int leading_exponent = top_bit - kBias - shift;  // the leading bit weighs 2^leading_exponent
+    // Bits kept: 53, fewer where the result is subnormal (its last bit weighs 2^-1074).
+    int keep = 53;
+    if (leading_exponent < -1022) {
+      keep = leading_exponent + 1075;
+      if (keep < 0) {
+        return 0.0;  // below half the smallest subnormal
+      }
+    }
+    // The 64 bits from the leading one down, and whether anything below them is set.
+    uint64_t head = 0;
+    bool sticky = false;
+    for (int bit = top_bit, filled = 0; filled < 64; ++filled, --bit) {
+      head = (head << 1) | (bit >= 0 ? bit_at(bit) : 0);
+    }
+    for (int k = bottom_; k <= top_ && !sticky; ++k) {
+      const int lowest_kept = top_bit - 63;
+      const int digit_low = k * kDigitBits;
+      if (digit_low >= lowest_kept) {
+        break;
+      }
+      uint64_t digit = static_cast<uint64_t>(digits_[k]);
+      const int bits_below = lowest_kept - digit_low;
+      if (bits_below < kDigitBits) {
+        digit &= (uint64_t{1} << bits_below) - 1;
+      }
+      sticky = digit != 0;
+    }
+    uint64_t mantissa = keep == 0 ? 0 : head >> (64 - keep);
+    const uint64_t dropped = keep == 0 ? head : head << keep;  // the dropped bits, leading at bit 63
+    const bool half = (dropped >> 63) != 0;
+    const bool above_half = (dropped << 1) != 0 || sticky;
+    if (half && (above_half || (mantissa & 1))) {
+      ++mantissa;  // (2^53 after a carry out is still exact as a double)
+    }
+    return std::ldexp(static_cast<double>(mantissa), leading_exponent - keep + 1);
+  }
+
+  uint64_t bit_at(int bit) const {
+    const int k = bit / kDigitBits;
+    if (k < bottom_ || k > top_) {
+      return 0;
+    }
+    return (static_cast<uint64_t>(digits_[k]) >> (bit % kDigitBits)) & 1;
+  }
+
+  // The sign of (sum - m^2), m the midpoint between `low` (>= 0, finite) and the double above it.
+  int compare_with_midpoint_square(double low) const {
+    int exponent;
+    const uint64_t mantissa = split(low, &exponent);
+    // m = (2 * mantissa + 1) * 2^(exponent - 1): a 54-bit integer times a power of two, squared exactly.
+    const unsigned __int128 m = (static_cast<unsigned __int128>(mantissa) << 1) | 1;
+    ExactSum difference = *this;
+    difference.add_scaled(m * m, 2 * (exponent - 1), true);
+    difference.propagate_carries();
+    if (difference.top_ < 0) {
+      return 0;
+    }
+    return difference.digits_[kDigits - 1] < 0 ? -1 : 1;
+  }
+
+  int64_t digits_[kDigits] = {};
+  int bottom_ = kDigits, top_ = -1;  // the digits that may be non-zero
+  int32_t pending_ = 0;              // additions since the carries were last propagated
+};
+
+}  // namespace torchclip

@@ -1,0 +1,232 @@
+"""Exact norms (torchclip.set_exact_norm, csrc/exact_sum.h, cpu/exact_norm_kernel.cpp): p = 1 and 2 norms are
+the true norm rounded once, against an oracle in integer arithmetic on every element, and the same bits
+whatever the thread count, the order of the list or the views that cover a tensor."""
+
+import math
+import os
+import subprocess
+import sys
+from fractions import Fraction
+
+import pytest
+import torch
+from testing import make_tensor
+
+import torchclip
+from torchclip import _ops
+
+ORDERS = [1.0, 2.0]
+
+
+@pytest.fixture
+def exact(cpu_capability):
+    previous = torchclip.set_exact_norm(True)
+    yield
+    torchclip.set_exact_norm(previous)
+
+
+def exact_sum(tensors, norm_type) -> Fraction:
+    """sum |x| (p = 1) or x^2 (p = 2) over every element, exactly: integers over a power of two."""
+    total = Fraction(0)
+    for t in tensors:
+        numerators, shift = [], 0
+        for value in t.detach().double().reshape(-1).tolist():
+            numerator, denominator = abs(value).as_integer_ratio()
+            if norm_type == 2.0:
+                numerator, denominator = numerator * numerator, denominator * denominator
+            numerators.append((numerator, denominator.bit_length() - 1))
+            shift = max(shift, denominator.bit_length() - 1)
+        total += Fraction(sum(n << (shift - k) for n, k in numerators), 1 << shift)
+    return total
+
+
+def float_bits(value: float) -> int:
+    return int.from_bytes(torch.tensor(value, dtype=torch.float64).numpy().tobytes(), "little")
+
+
+def sqrt_rounded(square: Fraction) -> float:
+    """sqrt(square) rounded to the nearest float64, ties to even: the neighbours of an estimate decided
+    by comparing the square with the midpoints' squares, exactly."""
+    if square == 0:
+        return 0.0
+    if square >= (Fraction(2**1024) - Fraction(2**970)) ** 2:
+        return math.inf
+    scale = (square.numerator.bit_length() - square.denominator.bit_length()) // 2
+    root = math.ldexp(math.sqrt(float(square / Fraction(4) ** scale)), scale)
+
+    def midpoint_square(low):
+        high = math.nextafter(low, math.inf)
+        return ((Fraction(low) + (Fraction(2**1024) if high == math.inf else Fraction(high))) / 2) ** 2
+
+    for _ in range(4):
+        up, down = math.nextafter(root, math.inf), math.nextafter(root, 0.0)
+        if midpoint_square(root) < square:
+            root = up
+        elif midpoint_square(root) == square:
+            return root if float_bits(root) % 2 == 0 else up
+        elif midpoint_square(down) > square:
+            root = down
+        elif midpoint_square(down) == square:
+            return down if float_bits(down) % 2 == 0 else root
+        else:
+            return root
+    raise AssertionError("the estimate was more than four ulps off")
+
+
+def exact_norm(tensors, norm_type) -> float:
+    total = exact_sum(tensors, norm_type)
+    if norm_type == 2.0:
+        return sqrt_rounded(total)
+    return math.inf if total >= Fraction(2**1024) - Fraction(2**970) else float(total)
+
+
+def as_dtype(value: float, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float64).to(dtype)
+
+
+def wide_range(dtype, n, seed):
+    """Values across the dtype's whole range: normal and subnormal magnitudes, zeros, both signs."""
+    info = torch.finfo(dtype)
+    generator = torch.Generator().manual_seed(seed)
+    low = math.log2(info.smallest_normal * info.eps) + 1
+    high = math.log2(info.max) - 2
+    exponents = torch.rand(n, generator=generator, dtype=torch.float64) * (high - low) + low
+    signs = torch.randint(0, 2, (n,), generator=generator) * 2 - 1
+    values = (signs * torch.exp2(exponents)).to(dtype)
+    values[torch.randint(0, n, (n // 10,), generator=generator)] = 0
+    return values
+
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+SIZES = [1, 15, 1023, 1024, 1025, 5000, 70000]
+
+
+@pytest.mark.parametrize("norm_type", ORDERS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms_are_the_true_norm_rounded_once(exact, dtype, norm_type):
+    tensors = [make_tensor((n,), dtype, seed=n, scale=0.1) for n in SIZES]
+    tensors.append(wide_range(dtype, 3000, seed=1))
+    total, per_tensor = _ops.multi_tensor_norm(tensors, norm_type)
+    for i, t in enumerate(tensors):
+        assert per_tensor[i].item() == exact_norm([t], norm_type), f"tensors[{i}] ({t.numel()} elements)"
+    expected = exact_norm(tensors, norm_type)
+    assert torch.equal(total, as_dtype(expected, dtype)), (total.item(), expected)
+
+
+@pytest.mark.parametrize("norm_type", ORDERS)
+@pytest.mark.parametrize(
+    "dtype, values",
+    [
+        (torch.float32, [1e-30, 1e30, -3e-38, 1e-45, 0.0, 2.5e-40]),
+        (torch.float64, [1e-300, 1e300, -5e-324, 2.2e-308, 0.0, 1e-310, 1.7e308]),
+        (torch.float16, [6e-8, 65504.0, -1e-5, 0.0]),
+        (torch.bfloat16, [1e-38, 3e38, -9.2e-41, 0.0]),
+    ],
+)
+def test_a_wide_dynamic_range_loses_nothing(exact, dtype, norm_type, values):
+    # The small terms are below the large one's last bit: float64 accumulation would drop them all.
+    t = torch.tensor(values * 700, dtype=dtype)
+    _, per_tensor = _ops.multi_tensor_norm([t], norm_type)
+    assert per_tensor.item() == exact_norm([t], norm_type)
+
+
+@pytest.mark.parametrize("norm_type", ORDERS)
+def test_the_same_bits_for_any_threads_order_and_views(exact, norm_type):
+    whole = make_tensor((300_001,), torch.float32, seed=3)
+    others = [make_tensor((n,), torch.bfloat16, seed=n) for n in (5, 70_000, 1)]
+    reference = _ops.multi_tensor_norm([whole, *others], norm_type)[0]
+    assert reference.item() == as_dtype(exact_norm([whole, *others], norm_type), torch.float32).item()
+    covers = {
+        "halves": list(whole.split(150_000)),
+        "uneven": list(whole.split([1, 99_999, 3, 200_000 - 2])),
+        "strided halves": [whole[::2], whole[1::2]],
+    }
+    for name, pieces in covers.items():
+        assert torch.equal(_ops.multi_tensor_norm([*pieces, *others], norm_type)[0], reference), name
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        listed = [whole, *others]
+        listed = [listed[i] for i in torch.randperm(len(listed), generator=generator).tolist()]
+        assert torch.equal(_ops.multi_tensor_norm(listed, norm_type)[0], reference)
+    for threads in (1, 2, 4):
+        torch.set_num_threads(threads)
+        assert torch.equal(_ops.multi_tensor_norm([whole, *others], norm_type)[0], reference), threads
+
+
+def test_clipping_by_an_exact_norm_gives_the_same_bits_in_any_order(exact):
+    def params(order):
+        made = [torch.nn.Parameter(torch.zeros(n)) for n in (1000, 300_001, 7)]
+        for p, n in zip(made, (1000, 300_001, 7)):
+            p.grad = make_tensor((n,), torch.float32, seed=n)
+        return [made[i] for i in order]
+
+    first, second = params([0, 1, 2]), params([2, 0, 1])
+    total = torchclip.clip_grad_norm_(first, 1.0)
+    torch.set_num_threads(1)
+    assert torch.equal(torchclip.clip_grad_norm_(second, 1.0), total)
+    by_size = sorted(second, key=lambda p: p.numel())
+    for a, b in zip(sorted(first, key=lambda p: p.numel()), by_size):
+        assert torch.equal(a.grad, b.grad)
+    clip = torchclip.ClipGradByGlobalNorm(1.0)
+    clip(params([1, 2, 0]))
+    expected = exact_norm([make_tensor((n,), torch.float32, seed=n) for n in (1000, 300_001, 7)], 2.0)
+    assert clip.last_global_norm.item() == as_dtype(expected, torch.float32).item()
+
+
+def test_nan_and_inf(exact):
+    x = torch.randn(5000)
+    x[77] = math.inf
+    y = torch.randn(10)
+    assert math.isinf(_ops.multi_tensor_norm([x, y], 2.0)[0].item())
+    y[3] = math.nan
+    total, per_tensor = _ops.multi_tensor_norm([x, y], 1.0)
+    assert math.isnan(total.item()) and math.isinf(per_tensor[0].item()) and math.isnan(per_tensor[1].item())
+    for where in (0, 1234, 4095, 4999):  # a NaN where the block's largest magnitude does not see it
+        z = torch.randn(5000)
+        z[where] = math.nan
+        assert all(math.isnan(n) for n in _ops.multi_tensor_norm([z], 2.0)[1].tolist() + [z.sum().item()])
+
+
+def test_tensors_atens_path_would_take_are_exact_too(exact):
+    strided = make_tensor((4000,), torch.float32, seed=1, layout="strided")
+    negated = torch._neg_view(make_tensor((3000,), torch.float64, seed=2))
+    z = torch.complex(make_tensor((500,), torch.float32, seed=3), make_tensor((500,), torch.float32, seed=4))
+    real_view = torch.view_as_real(z)
+    total, per_tensor = _ops.multi_tensor_norm([strided, negated, z], 2.0)
+    assert per_tensor[0].item() == exact_norm([strided], 2.0)
+    assert per_tensor[1].item() == exact_norm([negated.resolve_neg()], 2.0)
+    assert per_tensor[2].item() == exact_norm([real_view], 2.0)
+    assert total.item() == exact_norm([strided, negated.resolve_neg(), real_view], 2.0)
+
+
+def test_the_switch(cpu_capability):
+    previous = torchclip.set_exact_norm(True)
+    try:
+        assert torchclip.get_exact_norm() is True
+        assert torchclip.set_exact_norm(False) is True and torchclip.get_exact_norm() is False
+        with pytest.raises(TypeError, match="enabled must be a bool, got 1"):
+            torchclip.set_exact_norm(1)
+    finally:
+        torchclip.set_exact_norm(previous)
+    code = "import torchclip; print(torchclip.get_exact_norm())"
+    for value, expected in (("1", "True"), ("0", "False")):
+        result = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "TORCHCLIP_EXACT_NORM": value},
+        )
+        assert result.stdout.strip() == expected, result.stderr
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "TORCHCLIP_EXACT_NORM": "yes"}
+    )
+    assert "TORCHCLIP_EXACT_NORM must be 0 or 1, got 'yes'" in result.stderr
+
+
+def test_other_orders_keep_float64_accumulation(exact):
+    tensors = [make_tensor((1000,), torch.float32, seed=1)]
+    for norm_type in (math.inf, 3.0, 0.5):
+        total, _ = _ops.multi_tensor_norm(tensors, norm_type)
+        torchclip.set_exact_norm(False)
+        assert torch.equal(total, _ops.multi_tensor_norm(tensors, norm_type)[0])
+        torchclip.set_exact_norm(True)
