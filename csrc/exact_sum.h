@@ -88,15 +88,6 @@ class ExactSum {
     pending_ = 1;
   }
 
-  bool is_zero() const {
-    for (int k = bottom_; k <= top_; ++k) {
-      if (digits_[k] != 0) {
-        return false;
-      }
-    }
-    return true;
-  }
-
   // The sum rounded to the nearest float64 (ties to even), as a sum that is >= 0.
   double to_double() const {
     ExactSum copy = *this;

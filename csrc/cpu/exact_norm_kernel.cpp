@@ -61,15 +61,6 @@ void add_terms(const T* x, int64_t n, ExactPartial& out) {
   }
 }
 
-double lanes_sum(f64v v) {  // exact here: every partial sum is a multiple of the quantum below 2^53 of them
-  constexpr int kLanes = sizeof(f64v) / sizeof(double);
-  double total = 0.0;
-  for (int i = 0; i < kLanes; ++i) {
-    total += v[i];
-  }
-  return total;
-}
-
 // The storage type's mantissa bits after the leading one: a value's last bit weighs 2^(floor(log2|x|) - this)
 // or more.
 template <typename T>
@@ -91,7 +82,7 @@ void halves_of(f32v v, f64v& low, f64v& high) {
 void add_sums(const f64v* sums, int count, ExactPartial& out) {
   double totals[kMaxLevels + 1];
   for (int j = 0; j < count; ++j) {
-    totals[j] = lanes_sum(sums[j]);
+    totals[j] = horizontal_sum(sums[j]);  // exact: every partial sum is below 2^53 quanta
     if (std::isnan(totals[j])) {
       out.has_nan = true;
       return;

@@ -23,18 +23,6 @@ struct Partial {
   bool has_nan = false;
 };
 
-inline double horizontal_sum(f64v v) {
-  // A fixed pairwise tree over the lanes.
-  constexpr int kLanes = sizeof(f64v) / sizeof(double);
-  double lanes[kLanes];
-  std::memcpy(lanes, &v, sizeof(lanes));
-  for (int width = kLanes / 2; width >= 1; width /= 2) {
-    for (int i = 0; i < width; ++i) {
-      lanes[i] += lanes[i + width];
-    }
-  }
-  return lanes[0];
-}
 template <typename V>
 inline double horizontal_max(V v) {
   double m = v[0];

@@ -61,6 +61,19 @@ inline bool any_lane(V mask) {
   return false;
 }
 
+// The sum of a float64 vector's lanes, by a fixed pairwise tree (the same order every call).
+inline double horizontal_sum(f64v v) {
+  constexpr int kLanes = sizeof(f64v) / sizeof(double);
+  double lanes[kLanes];
+  std::memcpy(lanes, &v, sizeof(lanes));
+  for (int width = kLanes / 2; width >= 1; width /= 2) {
+    for (int i = 0; i < width; ++i) {
+      lanes[i] += lanes[i + width];
+    }
+  }
+  return lanes[0];
+}
+
 inline f32v abs(f32v v) {
   return (f32v)((u32v)v & 0x7FFFFFFFu);
 }
