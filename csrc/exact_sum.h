@@ -88,6 +88,36 @@ class ExactSum {
     pending_ = 1;
   }
 
+  // The sum (>= 0) as kDigits digits, digit k in [0, 2^32) weighing 2^(32 k - kBias): what ranks exchange.
+  // Up to 2^31 such rows add element-wise in int64 without overflow, and from_digits reads their sum.
+  void to_digits(int64_t* out) const {
+    ExactSum carried = *this;
+    carried.propagate_carries();
+    std::memset(out, 0, sizeof(int64_t) * kDigits);
+    if (carried.top_ >= carried.bottom_) {
+      std::memcpy(out + carried.bottom_, carried.digits_ + carried.bottom_,
+          sizeof(int64_t) * (carried.top_ - carried.bottom_ + 1));
+    }
+  }
+
+  // The sum whose digits are `digits` (non-negative; carries not yet propagated allowed).
+  static ExactSum from_digits(const int64_t* digits) {
+    ExactSum sum;
+    int bottom = 0, top = kDigits - 1;
+    while (bottom < kDigits && digits[bottom] == 0) {
+      ++bottom;
+    }
+    while (top >= bottom && digits[top] == 0) {
+      --top;
+    }
+    if (top >= bottom) {
+      sum.widen(bottom, top);
+      std::memcpy(sum.digits_ + bottom, digits + bottom, sizeof(int64_t) * (top - bottom + 1));
+      sum.propagate_carries();
+    }
+    return sum;
+  }
+
   // The sum rounded to the nearest float64 (ties to even), as a sum that is >= 0.
   double to_double() const {
     ExactSum copy = *this;

@@ -18,8 +18,8 @@ c10::TypedOperatorHandle<Signature> find(const char* name) {
 }
 
 inline const auto& multi_tensor_norm() {
-  static const auto op =
-      find<std::tuple<at::Tensor, at::Tensor>(at::TensorList, double, bool)>("torchclip::multi_tensor_norm");
+  static const auto op = find<std::tuple<at::Tensor, at::Tensor>(at::TensorList, double, bool, std::optional<bool>,
+      std::optional<at::ScalarType>)>("torchclip::multi_tensor_norm");
   return op;
 }
 
@@ -35,12 +35,13 @@ inline const auto& multi_tensor_clamp_() {
 
 inline const auto& clip_grad_norm_() {
   static const auto op = find<std::tuple<at::Tensor, at::Tensor, at::Tensor>(at::TensorList, double, double, bool,
-      double, bool, c10::string_view)>("torchclip::clip_grad_norm_");
+      double, bool, c10::string_view, std::optional<bool>)>("torchclip::clip_grad_norm_");
   return op;
 }
 
 inline const auto& clip_by_tensor_norm_() {
-  static const auto op = find<at::Tensor(at::TensorList, double, c10::string_view)>("torchclip::clip_by_tensor_norm_");
+  static const auto op = find<at::Tensor(at::TensorList, double, c10::string_view, std::optional<bool>)>(
+      "torchclip::clip_by_tensor_norm_");
   return op;
 }
 

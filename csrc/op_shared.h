@@ -217,6 +217,13 @@ inline std::string python_float(double value) {
   return text;
 }
 
+// exact=True where exact norms are not built (CUDA, so far) is refused: never a silently inexact norm.
+// (exact=None follows the process-wide setting, which covers CPU tensors and says so when set.)
+inline void check_exact_available(std::optional<bool> exact, const c10::Device& device, const char* op) {
+  TORCH_CHECK_VALUE(!exact.value_or(false), op, ": exact=True, but exact norms are taken of CPU tensors only so far; ",
+      "these are on ", device);
+}
+
 // The non-finite policies of the clipping ops (see ops.cpp).
 enum class NonFinite { Propagate, Raise, Skip };
 

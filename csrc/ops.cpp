@@ -8,10 +8,12 @@
 
 TORCH_LIBRARY(torchclip, m) {
   // The total `ord`-norm of `tensors` viewed as one vector, and each tensor's own norm (float64).
-  // error_if_nonfinite raises when the float64 total is NaN or inf (torch's message).
+  // error_if_nonfinite raises when the float64 total is NaN or inf (torch's message). exact: every norm
+  // of order 1 or 2 is the true norm rounded once (None: torchclip.set_exact_norm's setting; CPU only,
+  // and True is refused elsewhere). dtype: the total's (None: torch's result dtype).
   m.def(
-      "multi_tensor_norm(Tensor[] tensors, float ord, bool error_if_nonfinite) -> (Tensor total_norm, "
-      "Tensor per_tensor_norms)");
+      "multi_tensor_norm(Tensor[] tensors, float ord, bool error_if_nonfinite, bool? exact=None, "
+      "ScalarType? dtype=None) -> (Tensor total_norm, Tensor per_tensor_norms)");
   // tensors[i] *= scale (a 0-d tensor) or scale[i] (a 1-d tensor with one entry per tensor).
   m.def("multi_tensor_scale_(Tensor(a!)[] tensors, Tensor scale) -> ()");
   // tensors[i].clamp_(min, max) in one pass: the composition clamp_min_(min) then clamp_max_(max).
@@ -22,14 +24,17 @@ TORCH_LIBRARY(torchclip, m) {
   // total norm in torch's result dtype, or in at least float32 with norm_at_least_float32 (Paddle's),
   // then the per-tensor norms (float64) and that coefficient (float64, 0-d), for logging.
   // nonfinite: what a NaN/inf norm does: "propagate" (scale by it, torch's way), "raise" (as
-  // error_if_nonfinite) or "skip" (write nothing); both checks run before any write.
+  // error_if_nonfinite) or "skip" (write nothing); both checks run before any write. exact as above.
   m.def(
       "clip_grad_norm_(Tensor(a!)[] grads, float max_norm, float norm_type, bool error_if_nonfinite, "
-      "float eps=1e-06, bool norm_at_least_float32=False, str nonfinite=\"propagate\") -> (Tensor, Tensor, Tensor)");
+      "float eps=1e-06, bool norm_at_least_float32=False, str nonfinite=\"propagate\", bool? exact=None) -> "
+      "(Tensor, Tensor, Tensor)");
   // Each tensor scaled by max_norm / its own 2-norm where that norm exceeds max_norm (Paddle's
   // ClipGradByNorm); returns the per-tensor norms before clipping (float64). nonfinite as above, for
-  // any tensor's norm.
-  m.def("clip_by_tensor_norm_(Tensor(a!)[] tensors, float max_norm, str nonfinite=\"propagate\") -> Tensor");
+  // any tensor's norm. exact as above.
+  m.def(
+      "clip_by_tensor_norm_(Tensor(a!)[] tensors, float max_norm, str nonfinite=\"propagate\", bool? exact=None) -> "
+      "Tensor");
   // Adaptive gradient clipping (AGC, NFNets), unit-wise: for each output unit u of grads[i] (a row of
   // the first dimension; the whole tensor when it has at most one), with the same unit of params[i],
   // max = max(||param_u||, eps) * clip_factor, and grad_u *= max / max(||grad_u||, 1e-6) unless

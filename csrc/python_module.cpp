@@ -47,6 +47,16 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_exact_norms", &torchclip::set_exact_norms, py::arg("enabled"),
       "Exact p = 1 and 2 norms on the CPU from now on (or not); returns the previous setting.");
   m.def("exact_norms_enabled", &torchclip::exact_norms_enabled);
+  m.attr("EXACT_SUM_COLUMNS") = torchclip::kExactSumColumns;
+  m.def(
+      "exact_sums",
+      [](const std::vector<at::Tensor>& tensors, double ord, bool per_tensor) {
+        return torchclip::exact_sums_cpu(tensors, ord, per_tensor);
+      },
+      py::arg("tensors"), py::arg("ord"), py::arg("per_tensor"),
+      "Exact sums of |x| or x^2 of CPU tensors as int64 rows (cpu/ops_cpu.h), for ranks to add.");
+  m.def("norms_of_exact_sums", &torchclip::norms_of_exact_sums, py::arg("sums"), py::arg("ord"),
+      "The correctly rounded norms (float64) of summed exact_sums rows.");
   m.def("cpu_runs", &torchclip::cpu_runs, py::arg("capability"),
       "Whether this CPU has every instruction set of the kernel library for `capability`");
   m.def(
@@ -57,13 +67,13 @@ PYBIND11_MODULE(_C, m) {
 
   using namespace torchclip::walk;  // the fast path's entry points: see walk/fast_path.h
   m.def("total_norm_of_plain", &total_norm_of_plain, py::arg("tensors"), py::arg("norm_type"),
-      py::arg("error_if_nonfinite"));
+      py::arg("error_if_nonfinite"), py::arg("exact") = py::none());
   m.def("clip_grad_norm_of_plain", &clip_grad_norm_of_plain, py::arg("parameters"), py::arg("max_norm"),
       py::arg("norm_type"), py::arg("error_if_nonfinite"), py::arg("eps") = 1e-6,
       py::arg("norm_at_least_float32") = false, py::arg("honor_need_clip") = false, py::arg("nonfinite") = "propagate",
-      py::arg("keep_stats") = false);
+      py::arg("keep_stats") = false, py::arg("exact") = py::none());
   m.def("clip_by_tensor_norm_of_plain", &clip_by_tensor_norm_of_plain, py::arg("parameters"), py::arg("max_norm"),
-      py::arg("honor_need_clip"), py::arg("nonfinite") = "propagate");
+      py::arg("honor_need_clip"), py::arg("nonfinite") = "propagate", py::arg("exact") = py::none());
   m.def("clip_grad_value_of_plain", &clip_grad_value_of_plain, py::arg("parameters"), py::arg("clip_value"));
   m.def("clamp_grads_of_plain", &clamp_grads_of_plain, py::arg("parameters"), py::arg("min"), py::arg("max"),
       py::arg("honor_need_clip") = false);

@@ -170,6 +170,15 @@ def check_dtensor_clipping(full, make_params):
     assert clip.last_clip_coef.item() == pytest.approx(min(0.5 / clip.last_global_norm.item(), 1.0), rel=1e-6)
     for p, q in zip(params, reference):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-9)
+    for norm_type in (1.0, 2.0):  # exact norms: one process's bits, whatever the mesh and placements
+        total, per_tensor = torchclip._ops.multi_tensor_norm(full, norm_type, exact=True, dtype=torch.float64)
+        got_total, got_per_tensor = torchclip.distributed.global_norms(make_params(), norm_type, exact=True)
+        assert torch.equal(got_per_tensor, per_tensor) and torch.equal(got_total, total), norm_type
+        params, reference = make_params(), plain_parameters(full)
+        expected = torchclip.clip_grad_norm_(reference, 0.5, norm_type, exact=True)
+        assert torch.equal(torchclip.clip_grad_norm_(params, 0.5, norm_type, exact=True), expected), norm_type
+        for p, q in zip(params, reference):
+            assert torch.equal(p.grad.full_tensor(), q.grad), norm_type
 
 
 def dtensor_worker(rank, world, init_method):
@@ -419,3 +428,87 @@ def agc_dtensor_worker(rank, world, init_method):
 
 def test_unitwise_norm_on_dtensor_gradients(tmp_path):
     spawn(agc_dtensor_worker, 2, rendezvous(tmp_path))
+
+
+# ---- exact norms: exact sums exchanged, one process's bits on any number of ranks ------------------
+
+
+def exact_full_gradients():
+    """float32 and bfloat16 gradients whose magnitudes span 1e-30 to 1e30: float64 partial sums combined
+    over ranks would round differently from one process's."""
+    generator = torch.Generator().manual_seed(7)
+    shapes = [(24, 9), (1001,), (8, 8), (37,), (12, 5)]
+    full = []
+    for i, shape in enumerate(shapes):
+        magnitudes = torch.exp2(torch.rand(shape, generator=generator, dtype=torch.float64) * 200 - 100)
+        signs = torch.randint(0, 2, shape, generator=generator) * 2 - 1
+        full.append((signs * magnitudes).to(torch.bfloat16 if i == 3 else torch.float32))
+    return full
+
+
+def uneven_cuts(n, world, rank):
+    """Rank `rank`'s [begin, end) of n elements cut at uneven points (some ranks may hold none)."""
+    cuts = [0] + sorted({(n * k * k) // (world * world) for k in range(1, world)}) + [n]
+    cuts += [n] * (world + 1 - len(cuts))
+    return cuts[rank], cuts[rank + 1]
+
+
+def exact_worker(rank, world, init_method):
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    try:
+        full = exact_full_gradients()
+        mesh = init_device_mesh("cpu", (world,))
+        for norm_type in (2.0, 1.0):
+            total, per_tensor = torchclip._ops.multi_tensor_norm(full, norm_type, exact=True, dtype=torch.float64)
+            # Hand shards: every gradient flattened and cut unevenly, ZeRO-style, plus a replicated one.
+            pieces = []
+            for g in full:
+                begin, end = uneven_cuts(g.numel(), world, rank)
+                p = torch.nn.Parameter(torch.zeros(end - begin, dtype=g.dtype))
+                p.grad = g.reshape(-1)[begin:end].clone()
+                pieces.append(p)
+            replicated = torch.nn.Parameter(torch.zeros(3))
+            replicated.grad = torch.tensor([1e-3, 2.5, -7.0])
+            set_replicated(replicated)
+            with_replicated = torchclip._ops.multi_tensor_norm(
+                [*full, replicated.grad], norm_type, exact=True, dtype=torch.float64
+            )[0]
+            got = torchclip.get_total_norm(
+                [p.grad for p in pieces], norm_type, process_group=dist.group.WORLD, exact=True
+            )
+            assert torch.equal(got, total.to(got.dtype)), (norm_type, got.item(), total.item())
+            reference = plain_parameters([*full, replicated.grad])
+            expected = torchclip.clip_grad_norm_(reference, 0.5, norm_type, exact=True)
+            got = torchclip.clip_grad_norm_(
+                [*pieces, replicated], 0.5, norm_type, process_group=dist.group.WORLD, exact=True
+            )
+            assert got.double().item() == with_replicated.to(got.dtype).double().item() == expected.double().item()
+            for p, g, q in zip(pieces, full, reference):
+                begin, end = uneven_cuts(g.numel(), world, rank)
+                assert torch.equal(p.grad, q.grad.reshape(-1)[begin:end]), norm_type
+            # DTensor gradients, Shard(0) and Shard(1): the same bits, per tensor and in total.
+            for dim in (0, 1):
+                placements = [[Shard(dim if g.dim() > 1 else 0)] for g in full]
+                params = dtensor_parameters(full, mesh, placements)
+                got_total, got_per_tensor = torchclip.distributed.global_norms(params, norm_type, exact=True)
+                assert torch.equal(got_per_tensor, per_tensor) and got_total.item() == total.item(), (dim, norm_type)
+                reference = plain_parameters(full)
+                expected = torchclip.clip_grad_norm_(reference, 0.5, norm_type, exact=True)
+                got = torchclip.clip_grad_norm_(params, 0.5, norm_type, exact=True)
+                assert torch.equal(got, expected), (dim, norm_type)
+                for p, q in zip(params, reference):
+                    assert torch.equal(p.grad.full_tensor(), q.grad), (dim, norm_type)
+        params = dtensor_parameters(full, mesh, [[Shard(1 if g.dim() > 1 else 0)] for g in full])
+        clip = torchclip.ClipGradByGlobalNorm(0.5, exact=True)
+        clip(params)
+        reference_clip = torchclip.ClipGradByGlobalNorm(0.5, exact=True)
+        reference_clip(plain_parameters(full))
+        assert torch.equal(clip.last_global_norm, reference_clip.last_global_norm)
+        assert torch.equal(clip.last_clip_coef, reference_clip.last_clip_coef)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_exact_norms_give_one_process_bits_on_any_number_of_ranks(world, tmp_path):
+    spawn(exact_worker, world, rendezvous(tmp_path))

@@ -10,7 +10,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from testing import make_tensor
+from testing import cuda_only, make_tensor
 
 import torchclip
 from torchclip import _ops
@@ -230,3 +230,197 @@ def test_other_orders_keep_float64_accumulation(exact):
         torchclip.set_exact_norm(False)
         assert torch.equal(total, _ops.multi_tensor_norm(tensors, norm_type)[0])
         torchclip.set_exact_norm(True)
+
+
+# ---- exact= on every norm-taking function and class -------------------------------------------------
+
+# float64 gradients: their float64 accumulation rounds on almost every addition, so an exact norm that was
+# not taken would show in the last bits (test_exact_decides_the_last_bits holds the data to that).
+EXACT_GRAD_SIZES = (50_000, 3001, 7)
+
+
+def exact_grads():
+    return [make_tensor((n,), torch.float64, seed=n) for n in EXACT_GRAD_SIZES]
+
+
+def exact_params():
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=torch.float64)) for n in EXACT_GRAD_SIZES]
+    for p, g in zip(params, exact_grads()):
+        p.grad = g
+    return params
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    grads = exact_grads()
+    return {"total": exact_norm(grads, 2.0), "per_tensor": [exact_norm([g], 2.0) for g in grads]}
+
+
+def _clip_state(clip, read):
+    def take(exact):
+        made = clip(exact)
+        made(exact_params())
+        return read(made)
+
+    return take
+
+
+def _folded_step(exact):
+    params = exact_params()
+    clip = torchclip.ClipGradByGlobalNorm(1e30, exact=exact)
+    torchclip.optim.AdamW(params, lr=1e-3, fused=True, grad_clip=clip).step()
+    return clip.last_global_norm
+
+
+# name -> (what it returns: "total" or "per_tensor", a function of exact giving that)
+NORM_TAKERS = {
+    "get_total_norm": ("total", lambda exact: torchclip.get_total_norm(exact_grads(), exact=exact)),
+    "clip_grad_norm_": ("total", lambda exact: torchclip.clip_grad_norm_(exact_params(), 1e30, exact=exact)),
+    "ClipGradByGlobalNorm": (
+        "total",
+        _clip_state(lambda exact: torchclip.ClipGradByGlobalNorm(1e30, exact=exact), lambda c: c.last_global_norm),
+    ),
+    "GradientClipByGlobalNorm (Python walk)": (
+        "total",
+        _clip_state(
+            lambda exact: torchclip.GradientClipByGlobalNorm(1e30, need_clip=lambda p: True, exact=exact),
+            lambda c: c.last_global_norm,
+        ),
+    ),
+    "ClipGradByNorm": (
+        "per_tensor",
+        _clip_state(lambda exact: torchclip.ClipGradByNorm(1e30, exact=exact), lambda c: c.last_norms),
+    ),
+    "GradientClipByNorm (Python walk)": (
+        "per_tensor",
+        _clip_state(
+            lambda exact: torchclip.GradientClipByNorm(1e30, need_clip=lambda p: True, exact=exact),
+            lambda c: c.last_norms,
+        ),
+    ),
+    "ClipGradByZScore": (
+        "total",
+        _clip_state(lambda exact: torchclip.ClipGradByZScore(exact=exact), lambda c: c.last_global_norm),
+    ),
+    "ClipGradByQuantile": (
+        "total",
+        _clip_state(
+            lambda exact: torchclip.ClipGradByQuantile(0.9, 4, global_threshold=True, exact=exact),
+            lambda c: c.last_norms,
+        ),
+    ),
+    "ClipGradByNormEMA": (
+        "per_tensor",
+        _clip_state(lambda exact: torchclip.ClipGradByNormEMA(exact=exact), lambda c: c.last_norms),
+    ),
+    "SkipStepOnSpike": (
+        "total",
+        _clip_state(lambda exact: torchclip.SkipStepOnSpike(exact=exact), lambda c: c.history[0]),
+    ),
+    "grad_norm": (
+        "total",
+        lambda exact: torchclip.grad_norm(_module_of(exact_params()), 2, exact=exact)["grad_2.0_norm_total"],
+    ),
+    "global_norm": ("total", lambda exact: torchclip.global_norm(exact_grads(), exact=exact)),
+    "clip_by_global_norm": ("total", lambda exact: torchclip.clip_by_global_norm(exact_grads(), 1e30, exact=exact)[1]),
+    "folded optimizer step": ("total", _folded_step),
+}
+
+
+def _module_of(params):
+    module = torch.nn.Module()
+    for i, p in enumerate(params):
+        module.register_parameter(f"p{i}", p)
+    return module
+
+
+def test_exact_decides_the_last_bits(cpu_capability, oracle):
+    inexact = torchclip.get_total_norm(exact_grads(), exact=False).item()
+    assert inexact != oracle["total"], "the test data no longer tells an exact norm from float64 accumulation"
+
+
+@pytest.mark.parametrize("name", list(NORM_TAKERS))
+def test_exact_is_taken_per_call_whatever_the_process_setting(cpu_capability, oracle, name):
+    kind, take = NORM_TAKERS[name]
+    previous = torchclip.set_exact_norm(False)
+    try:
+        got = take(True)
+        if kind == "total":
+            assert got.item() == oracle["total"], (got.item(), oracle["total"])
+        else:
+            assert got.tolist() == oracle["per_tensor"]
+        inexact = take(None)
+        torchclip.set_exact_norm(True)
+        assert torch.equal(take(False), inexact)  # exact=False wins over the process-wide setting
+        assert torch.equal(take(None), got)
+    finally:
+        torchclip.set_exact_norm(previous)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda params: torchclip.clip_grad_norm_(params, 0.1, exact=1),
+        lambda params: torchclip.get_total_norm([p.grad for p in params], exact="yes"),
+        lambda params: torchclip.ClipGradByGlobalNorm(0.1, exact=0),
+        lambda params: torchclip.ClipGradByNorm(0.1, exact=1.0),
+        lambda params: torchclip.ClipGradByZScore(exact="no"),
+        lambda params: torchclip.grad_norm(_module_of(params), 2, exact=1),
+        lambda params: torchclip.clip_by_global_norm([p.grad for p in params], 0.1, exact=1),
+        lambda params: torchclip.distributed.global_norms(params, exact=1),
+    ],
+    ids=[
+        "clip_grad_norm_",
+        "get_total_norm",
+        "ClipGradByGlobalNorm",
+        "ClipGradByNorm",
+        "ZScore",
+        "grad_norm",
+        "tf",
+        "dist",
+    ],
+)
+def test_a_bad_exact_is_named_and_changes_nothing(cpu_capability, call):
+    import torchclip.distributed  # noqa: F401  (the lambdas reach it as an attribute)
+
+    params = exact_params()
+    with pytest.raises(TypeError, match="exact must be True, False or None"):
+        call(params)
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, exact_grads()))
+
+
+def test_exact_sparse_gradients(cpu_capability):
+    dense = make_tensor((5000,), torch.float64, seed=1)
+    indices = torch.tensor([[0, 3, 3, 9]])
+    values = make_tensor((4,), torch.float64, seed=2)
+    sparse = torch.sparse_coo_tensor(
+        indices, values, (12,), check_invariants=True
+    )  # index 3 listed twice: its value is the sum
+    coalesced = sparse.coalesce().values()
+    total = torchclip.get_total_norm([dense, sparse], exact=True)
+    assert total.item() == exact_norm([dense, coalesced], 2.0)
+    assert torchclip.get_total_norm([dense, sparse], 1.0, exact=True).item() == exact_norm([dense, coalesced], 1.0)
+
+
+def test_exact_true_is_refused_where_norms_are_not_exact(cpu_capability):
+    leaf = make_tensor((100,), torch.float32, seed=1).requires_grad_()
+    with pytest.raises(ValueError, match="exact=True: exact norms are taken of CPU tensors that autograd"):
+        torchclip.global_norm([leaf * 2], exact=True)  # differentiable: torch's ops take it
+    with pytest.raises(ValueError, match="norms over axes are not taken exactly"):
+        torchclip.clip_by_norm(make_tensor((4, 5), torch.float32, seed=2), 1.0, axes=1, exact=True)
+
+
+@cuda_only
+def test_cuda_refuses_exact_true_and_changes_nothing():
+    params = [torch.nn.Parameter(torch.zeros(1000, device="cuda"))]
+    params[0].grad = torch.full((1000,), 3.0, device="cuda")
+    for call in (
+        lambda: torchclip.clip_grad_norm_(params, 0.1, exact=True),
+        lambda: torchclip.get_total_norm([params[0].grad], exact=True),
+        lambda: torchclip.ClipGradByNorm(0.1, exact=True)(params),
+        lambda: _ops.clip_grad_norm_([params[0].grad], 0.1, 2.0, False, exact=True),
+        lambda: _ops.multi_tensor_norm([params[0].grad], 2.0, exact=True),
+    ):
+        with pytest.raises(ValueError, match="exact=True, but exact norms are taken of CPU tensors only"):
+            call()
+        assert torch.equal(params[0].grad, torch.full((1000,), 3.0, device="cuda"))

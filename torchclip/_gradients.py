@@ -74,23 +74,52 @@ class Gradients:
         """What this rank writes: its local shards on a sharded route, else the tensors themselves."""
         return self.tensors if self.shards is None else self.shards.local
 
-    def tensor_norms(self, ord: float = 2.0) -> Tensor:
+    def tensor_norms(self, ord: float = 2.0, exact: bool | None = None) -> Tensor:
         """Each tensor's `ord`-norm in float64: one fused pass on KERNELS; the global norm of each
         sharded tensor on DTENSOR_SHARDS (float64 on the CPU, the same on every rank); else one norm per
         tensor on the first tensor's device, differentiable (complex128 for complex data; sparse COO by
-        its values)."""
-        if self.route is Route.KERNELS:
-            return _ops.multi_tensor_norm(self.tensors, ord, False)[1]
-        if self.route is Route.DTENSOR_SHARDS:
-            return _shards.global_tensor_norms(self.shards, ord)
+        its values). exact: exact norms (None: the process-wide setting; True refused off the CPU)."""
+        return self._norms(ord, exact, with_total=False)[0]
+
+    def norms(self, ord: float = 2.0, exact: bool | None = None) -> tuple[Tensor, Tensor]:
+        """(tensor_norms, the total norm in float64): the `ord`-norm of the per-tensor norms, or with
+        exact norms (orders 1 and 2) the exact total rounded once, which per-tensor norms, each rounded,
+        cannot give."""
+        return self._norms(ord, exact, with_total=True)
+
+    def _norms(self, ord: float, exact: bool | None, with_total: bool) -> tuple[Tensor, Tensor | None]:
+        self.refuse_exact(exact)
         if self.route is Route.HAND_SHARDS:
             raise ValueError("process_group: hand-sharded gradients have a global norm, not per-tensor norms")
-        device = self.tensors[0].device
-        return torch.stack([_tensor_norm64(t, ord).to(device) for t in self.tensors])
+        if self.route is Route.DTENSOR_SHARDS:
+            total, norms = _shards.global_tensor_norms(self.shards, ord, exact)
+            return norms, total
+        exactly = _ops.exact_norms(exact) and ord in (1.0, 2.0)
+        if self.route is Route.KERNELS or (exactly and self.route is Route.SPARSE and _sparse.on_cpu(self.tensors)):
+            tensors = self.tensors if self.route is Route.KERNELS else _sparse.dense_terms(self.tensors)
+            total, norms = _ops.multi_tensor_norm(tensors, ord, False, exact, torch.float64)
+            if exactly:
+                return norms, total
+        else:
+            device = self.tensors[0].device
+            norms = torch.stack([_tensor_norm64(t, ord).to(device) for t in self.tensors])
+        return norms, (torch.linalg.vector_norm(norms, ord) if with_total else None)
 
-    def sharded_total_norm(self, ord: float, error_if_nonfinite: bool) -> Tensor:
+    def refuse_exact(self, exact: bool | None) -> None:
+        """exact=True where the norm would not be exact (gradients off the CPU, subclasses): a ValueError,
+        before anything is read or written."""
+        if exact is True and (
+            self.route is Route.TORCH or (self.route is Route.SPARSE and not _sparse.on_cpu(self.tensors))
+        ):
+            where = sorted({f"{type(t).__name__} on {t.device}" for t in self.tensors})
+            raise ValueError(
+                "exact=True: exact norms are taken of CPU tensors that autograd does not track (plain, sparse "
+                f"or sharded) so far; got {where}"
+            )
+
+    def sharded_total_norm(self, ord: float, error_if_nonfinite: bool, exact: bool | None = None) -> Tensor:
         """The global norm of sharded gradients (float64, on the CPU, the same on every rank)."""
-        return _shards.sharded_norm(self.shards, ord, error_if_nonfinite)
+        return _shards.sharded_norm(self.shards, ord, error_if_nonfinite, exact)
 
     def scale_(self, scale: Tensor) -> None:
         """Each written tensor times `scale` (0-d) or `scale[i]` (1-d), in place, rounded as torch's

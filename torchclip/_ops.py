@@ -123,8 +123,11 @@ def set_exact_norm(enabled: bool) -> bool:
     to float64, and a narrower result rounded from that. It is a function of the gradients alone: the same
     bits whatever the thread count, the order of the list or how tensors are cut into views. The clip
     coefficient follows from it in one fixed way, so the clipped gradients are the same bits too.
-    TORCHCLIP_EXACT_NORM=1 sets it at import. Other orders keep float64 accumulation; CUDA gradients,
-    sharded totals and sparse gradients are not exact yet (docs/performance.md says what exact costs).
+    TORCHCLIP_EXACT_NORM=1 sets it at import; every norm-taking function and class also takes `exact=`
+    for one call or one clip, which wins over this setting. Sharded gradients exchange exact sums, so
+    any number of ranks gives one process's bits. Other orders keep float64 accumulation, and CUDA
+    gradients are not exact yet: they keep float64 under this setting, and refuse exact=True
+    (docs/performance.md#exact-norms says what exact costs).
 
     Args:
         enabled: True for exact norms, False for float64 accumulation (the default).
@@ -158,6 +161,18 @@ def get_exact_norm() -> bool:
     return _C.exact_norms_enabled()
 
 
+def check_exact(exact) -> bool | None:
+    """A norm-taking call's `exact` argument, checked: True, False, or None (the process-wide setting)."""
+    if exact is not None and not isinstance(exact, bool):
+        raise TypeError(f"exact must be True, False or None (the process-wide setting), got {exact!r}")
+    return exact
+
+
+def exact_norms(exact: bool | None) -> bool:
+    """Whether a call with this `exact` argument takes exact norms (None: set_exact_norm's setting)."""
+    return get_exact_norm() if exact is None else exact
+
+
 def _exact_norm_from_environment() -> bool:
     value = os.environ.get("TORCHCLIP_EXACT_NORM", "0").strip()
     if value not in ("0", "1", ""):
@@ -184,16 +199,21 @@ def total_norm_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
 
 
 def multi_tensor_norm(
-    tensors: Sequence[torch.Tensor], ord: float = 2.0, error_if_nonfinite: bool = False
+    tensors: Sequence[torch.Tensor],
+    ord: float = 2.0,
+    error_if_nonfinite: bool = False,
+    exact: bool | None = None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(total norm in torch's result dtype, per-tensor norms in float64) of a non-empty tensor list."""
-    return _ops.multi_tensor_norm(tensors, float(ord), bool(error_if_nonfinite))
+    """(total norm in `dtype`, torch's result dtype by default; per-tensor norms in float64) of a non-empty
+    tensor list; exact: exact norms for this call (None: the process-wide setting)."""
+    return _ops.multi_tensor_norm(tensors, float(ord), bool(error_if_nonfinite), exact, dtype)
 
 
 @torch.library.register_fake("torchclip::multi_tensor_norm")
-def _multi_tensor_norm_fake(tensors, ord, error_if_nonfinite):
+def _multi_tensor_norm_fake(tensors, ord, error_if_nonfinite, exact=None, dtype=None):
     first = tensors[0]
-    total = first.new_empty((), dtype=total_norm_dtype(tensors))
+    total = first.new_empty((), dtype=total_norm_dtype(tensors) if dtype is None else dtype)
     return total, first.new_empty((len(tensors),), dtype=torch.float64)
 
 
@@ -225,6 +245,7 @@ def clip_grad_norm_(
     eps: float = 1e-6,
     norm_at_least_float32: bool = False,
     nonfinite: str = "propagate",
+    exact: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Norm and scale of a non-empty gradient list in one call; returns (the total norm, each gradient's
     norm in float64, the float64 coefficient every gradient was scaled by)."""
@@ -236,12 +257,20 @@ def clip_grad_norm_(
         float(eps),
         bool(norm_at_least_float32),
         nonfinite,
+        exact,
     )
 
 
 @torch.library.register_fake("torchclip::clip_grad_norm_")
 def _clip_grad_norm_fake(
-    grads, max_norm, norm_type, error_if_nonfinite, eps=1e-6, norm_at_least_float32=False, nonfinite="propagate"
+    grads,
+    max_norm,
+    norm_type,
+    error_if_nonfinite,
+    eps=1e-6,
+    norm_at_least_float32=False,
+    nonfinite="propagate",
+    exact=None,
 ):
     dtype = total_norm_dtype(grads)
     if norm_at_least_float32:
@@ -254,14 +283,14 @@ def _clip_grad_norm_fake(
 
 
 def clip_by_tensor_norm_(
-    tensors: Sequence[torch.Tensor], max_norm: float, nonfinite: str = "propagate"
+    tensors: Sequence[torch.Tensor], max_norm: float, nonfinite: str = "propagate", exact: bool | None = None
 ) -> torch.Tensor:
     """Each tensor scaled by max_norm / its 2-norm where that exceeds max_norm; returns the norms."""
-    return _ops.clip_by_tensor_norm_(tensors, float(max_norm), nonfinite)
+    return _ops.clip_by_tensor_norm_(tensors, float(max_norm), nonfinite, exact)
 
 
 @torch.library.register_fake("torchclip::clip_by_tensor_norm_")
-def _clip_by_tensor_norm_fake(tensors, max_norm, nonfinite="propagate"):
+def _clip_by_tensor_norm_fake(tensors, max_norm, nonfinite="propagate", exact=None):
     return tensors[0].new_empty((len(tensors),), dtype=torch.float64)
 
 
@@ -364,3 +393,10 @@ clip_grad_norm_of_plain = _C.clip_grad_norm_of_plain
 clip_by_tensor_norm_of_plain = _C.clip_by_tensor_norm_of_plain
 clamp_grads_of_plain = _C.clamp_grads_of_plain
 clip_grad_value_of_plain = _C.clip_grad_value_of_plain
+
+# ---- exact sums that ranks add (torchclip.distributed) -------------------------------------------
+# exact_sums(tensors, ord, per_tensor): int64 rows whose element-wise sum over ranks is exact;
+# norms_of_exact_sums(rows, ord): each summed row's norm, rounded once (cpu/ops_cpu.h).
+exact_sums = _C.exact_sums
+norms_of_exact_sums = _C.norms_of_exact_sums
+EXACT_SUM_COLUMNS = _C.EXACT_SUM_COLUMNS

@@ -40,15 +40,16 @@ def raise_if_nonfinite(total: Tensor, norm_type: float, error_if_nonfinite: bool
         )
 
 
-def sharded_norm(shards, norm_type: float, error_if_nonfinite: bool) -> Tensor:
+def sharded_norm(shards, norm_type: float, error_if_nonfinite: bool, exact: bool | None = None) -> Tensor:
     """The global norm (float64, CPU, the same on every rank) of sharded gradients."""
     if not _ops.kernels_serve(shards.local, devices=("cpu",)):
         raise ValueError("process_group: sharded clipping runs on plain strided CPU gradients (gloo) for now")
-    total, _ = _distributed().sharded_norms(shards, norm_type)
+    total, _ = _distributed().sharded_norms(shards, norm_type, exact=_ops.exact_norms(exact))
     raise_if_nonfinite(total, norm_type, error_if_nonfinite)
     return total
 
 
-def global_tensor_norms(shards, norm_type: float = 2.0) -> Tensor:
-    """Each sharded gradient's global norm (float64, CPU, the same on every rank), of CPU shards."""
-    return _distributed().sharded_norms(shards, norm_type, per_tensor=True)[1]
+def global_tensor_norms(shards, norm_type: float = 2.0, exact: bool | None = None) -> tuple[Tensor, Tensor]:
+    """(the global total, each sharded gradient's global norm), float64 on the CPU, the same on every
+    rank, of CPU shards."""
+    return _distributed().sharded_norms(shards, norm_type, per_tensor=True, exact=_ops.exact_norms(exact))

@@ -34,6 +34,16 @@ def norm64(t: Tensor, norm_type: float) -> Tensor:
     return torch.linalg.vector_norm(magnitudes, norm_type)
 
 
+def on_cpu(tensors) -> bool:
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+def dense_terms(tensors) -> list[Tensor]:
+    """The tensors with each sparse COO one replaced by its coalesced values: the same norm for orders
+    > 0 (implicit zeros add nothing), and dense, so the norm kernels (exact ones included) take them."""
+    return [t.coalesce()._values() if is_sparse(t) else t for t in tensors]
+
+
 def clamp_(t: Tensor, lo: float, hi: float) -> None:
     """Clamp a sparse COO tensor in place: coalesce it (sums of duplicates), then clamp the values.
     Implicit zeros stay zero, which is right whenever lo <= 0 <= hi (value clipping's case)."""

@@ -119,6 +119,9 @@ class ClipGradByNorm(ClipGradBase):
         nonfinite: what a NaN or inf norm does: "propagate" (scale by it, as Paddle), "raise" (a
             RuntimeError, no gradient changed) or "skip" (no gradient changed; an optimizer hook skips
             the step).
+        exact: the norms exact (the true norm rounded once: the same bits for any thread count, list
+            order or sharding); None: `torchclip.set_exact_norm`'s setting; True raises for gradients
+            off the CPU.
 
     Raises:
         ValueError: clip_norm <= 0, NaN or inf; an unknown `nonfinite`.
@@ -129,14 +132,15 @@ class ClipGradByNorm(ClipGradBase):
         >>> clip.last_norms  # each gradient's norm before clipping
     """
 
-    def __init__(self, clip_norm: float, *, nonfinite: str = "propagate"):
+    def __init__(self, clip_norm: float, *, nonfinite: str = "propagate", exact: bool | None = None):
         self.clip_norm = _positive_finite("clip_norm", clip_norm)
         self.nonfinite = _policy(nonfinite)
+        self.exact = _ops.check_exact(exact)
         self.last_norms: Tensor | None = None
 
     def _clip_parameters(self, params):
         norms = _ops.clip_by_tensor_norm_of_plain(
-            params, self.clip_norm, honor_need_clip=True, nonfinite=self.nonfinite
+            params, self.clip_norm, honor_need_clip=True, nonfinite=self.nonfinite, exact=self.exact
         )
         if norms is not None:
             self.last_norms = norms
@@ -148,10 +152,10 @@ class ClipGradByNorm(ClipGradBase):
             return
         gradients = Gradients(grads)
         if gradients.route is Route.KERNELS:
-            self.last_norms = _ops.clip_by_tensor_norm_(grads, self.clip_norm, self.nonfinite)
+            self.last_norms = _ops.clip_by_tensor_norm_(grads, self.clip_norm, self.nonfinite, self.exact)
             self._record(self.last_norms)
             return
-        norms = gradients.tensor_norms()
+        norms = gradients.tensor_norms(exact=self.exact)
         finite = torch.isfinite(norms).all()
         if self.nonfinite == "raise" and not finite:  # raising needs the answer on the host
             raise RuntimeError(
@@ -181,7 +185,9 @@ class ClipGradByNorm(ClipGradBase):
         return f"{type(self).__name__}(clip_norm={self.clip_norm})"
 
 
-def _walk_by_global_norm(params, max_norm: float, nonfinite: str) -> tuple[Tensor, Tensor, Tensor] | None:
+def _walk_by_global_norm(
+    params, max_norm: float, nonfinite: str, exact: bool | None
+) -> tuple[Tensor, Tensor, Tensor] | None:
     """Paddle's global-norm rule (torch's with eps = 0: min(max_norm / global_norm, 1), the norm kept in at
     least float32) over the marked gradients of plain CPU or CUDA parameters, in one C++ walk: (the global
     norm, each gradient's norm, the coefficient), or None where the walk declines."""
@@ -195,16 +201,19 @@ def _walk_by_global_norm(params, max_norm: float, nonfinite: str) -> tuple[Tenso
         honor_need_clip=True,
         nonfinite=nonfinite,
         keep_stats=True,
+        exact=exact,
     )
 
 
-def _clip_by_global_norm(gradients: Gradients, clip_norm: float, nonfinite: str) -> tuple[Tensor, Tensor, Tensor]:
+def _clip_by_global_norm(
+    gradients: Gradients, clip_norm: float, nonfinite: str, exact: bool | None
+) -> tuple[Tensor, Tensor, Tensor]:
     """Paddle's global-norm rule on gradients the kernels do not serve, in tensor ops: (the global norm,
     float32 or float64 for float64 gradients; each gradient's norm; the coefficient), the gradients scaled."""
     grads = gradients.tensors
     wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-    norms = gradients.tensor_norms()
-    global_norm = torch.linalg.vector_norm(norms, 2.0).to(wide)
+    norms, global_norm = gradients.norms(2.0, exact)
+    global_norm = global_norm.to(wide)
     finite = torch.isfinite(global_norm)
     if nonfinite == "raise" and not finite:  # raising needs the answer on the host
         raise _nonfinite_global_norm()
@@ -258,6 +267,9 @@ class ClipGradByGlobalNorm(ClipGradBase):
         nonfinite: what a NaN or inf norm does: "propagate", "raise" or "skip" (see `ClipGradByNorm`).
         process_group: torchclip only: the gradients are this rank's shard of the group's; every rank
             clips by the same global norm (see `torchclip.distributed`).
+        exact: the norms exact (the true norm rounded once: the same bits for any thread count, list
+            order or sharding); None: `torchclip.set_exact_norm`'s setting; True raises for gradients
+            off the CPU.
 
     Raises:
         ValueError: clip_norm <= 0, NaN or inf; an unknown `nonfinite`.
@@ -277,10 +289,12 @@ class ClipGradByGlobalNorm(ClipGradBase):
         *,
         nonfinite: str = "propagate",
         process_group: ProcessGroup | None = None,
+        exact: bool | None = None,
     ):
         self.clip_norm = _positive_finite("clip_norm", clip_norm)
         self.nonfinite = _policy(nonfinite)
         self.process_group = process_group
+        self.exact = _ops.check_exact(exact)
         if not isinstance(group_name, str):
             raise TypeError(f"group_name must be a str, got {group_name!r}")
         if not isinstance(auto_skip_clip, bool):
@@ -297,7 +311,7 @@ class ClipGradByGlobalNorm(ClipGradBase):
     def _clip_parameters(self, params):
         if self.process_group is not None:
             return False  # sharded clipping needs the (param, grad) pairs: the Python walk
-        found = _walk_by_global_norm(params, self.clip_norm, self.nonfinite)
+        found = _walk_by_global_norm(params, self.clip_norm, self.nonfinite, self.exact)
         if found is not None:
             self._keep(*found)
             self._record(found[0])
@@ -305,6 +319,7 @@ class ClipGradByGlobalNorm(ClipGradBase):
 
     def clip_gradients_(self, grads, params):
         gradients = Gradients(grads, params, process_group=self.process_group)
+        gradients.refuse_exact(self.exact)
         if gradients.shards is not None:
             return self._clip_sharded(gradients)
         if not grads:
@@ -312,15 +327,22 @@ class ClipGradByGlobalNorm(ClipGradBase):
         if gradients.route is Route.KERNELS:
             self._keep(
                 *_ops.clip_grad_norm_(
-                    grads, self.clip_norm, 2.0, False, eps=0.0, norm_at_least_float32=True, nonfinite=self.nonfinite
+                    grads,
+                    self.clip_norm,
+                    2.0,
+                    False,
+                    eps=0.0,
+                    norm_at_least_float32=True,
+                    nonfinite=self.nonfinite,
+                    exact=self.exact,
                 )
             )
         else:
-            self._keep(*_clip_by_global_norm(gradients, self.clip_norm, self.nonfinite))
+            self._keep(*_clip_by_global_norm(gradients, self.clip_norm, self.nonfinite, self.exact))
         self._record(self.last_global_norm)
 
     def _clip_sharded(self, gradients: Gradients) -> None:
-        global_norm = gradients.sharded_total_norm(2.0, self.nonfinite == "raise")
+        global_norm = gradients.sharded_total_norm(2.0, self.nonfinite == "raise", self.exact)
         self._record(global_norm)
         skip = self.nonfinite == "skip" and not torch.isfinite(global_norm)
         coefficient = torch.ones_like(global_norm) if skip else torch.clamp(self.clip_norm / global_norm, max=1.0)
@@ -340,7 +362,7 @@ class ClipGradByGlobalNorm(ClipGradBase):
             return None  # sharded clipping needs the (param, grad) pairs: the Python walk, in place
         raises_here = self.nonfinite == "raise" and scaler_found is None
         # max_norm = inf scales by exactly 1, which the kernels skip; a non-finite norm must not scale by NaN.
-        walked = _walk_by_global_norm(params, math.inf, "raise" if raises_here else "skip")
+        walked = _walk_by_global_norm(params, math.inf, "raise" if raises_here else "skip", self.exact)
         if walked is None:
             return None
         norm, norms = walked[:2]
@@ -396,10 +418,13 @@ class GradientClipByNorm(ClipGradByNorm):
     Args:
         clip_norm: the largest norm a gradient keeps.
         need_clip: a function of a parameter, True to clip its gradient; None clips every one.
+        exact: exact norms (see `ClipGradByNorm`).
     """
 
-    def __init__(self, clip_norm: float, need_clip: Callable[[Tensor], bool] | None = None):
-        super().__init__(clip_norm)
+    def __init__(
+        self, clip_norm: float, need_clip: Callable[[Tensor], bool] | None = None, *, exact: bool | None = None
+    ):
+        super().__init__(clip_norm, exact=exact)
         self._need_clip_predicate = _predicate(need_clip)
 
 
@@ -410,10 +435,16 @@ class GradientClipByGlobalNorm(ClipGradByGlobalNorm):
         clip_norm: the largest global norm allowed.
         group_name: clips given by `set_gradient_clip` with one group name share one global norm.
         need_clip: a function of a parameter, True to clip (and count) its gradient; None: every one.
+        exact: exact norms (see `ClipGradByGlobalNorm`).
     """
 
     def __init__(
-        self, clip_norm: float, group_name: str = "default_group", need_clip: Callable[[Tensor], bool] | None = None
+        self,
+        clip_norm: float,
+        group_name: str = "default_group",
+        need_clip: Callable[[Tensor], bool] | None = None,
+        *,
+        exact: bool | None = None,
     ):
-        super().__init__(clip_norm, group_name)
+        super().__init__(clip_norm, group_name, exact=exact)
         self._need_clip_predicate = _predicate(need_clip)

@@ -59,6 +59,7 @@ class ClipGradBase:
 
     _need_clip_predicate: Callable[[Tensor], bool] | None = None
     nonfinite: str = "propagate"
+    exact: bool | None = None  # exact norms (the norm-based clips' argument); None: the process-wide setting
     found_nonfinite: Tensor | None = None
     nonfinite_steps: Tensor | None = None
 

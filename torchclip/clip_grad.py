@@ -120,6 +120,7 @@ def get_total_norm(
     foreach: bool | None = None,
     *,
     process_group: ProcessGroup | None = None,
+    exact: bool | None = None,
 ) -> Tensor:
     r"""The norm of an iterable of tensors, as if they were concatenated into one vector.
 
@@ -136,6 +137,9 @@ def get_total_norm(
         foreach: accepted for torch's signature; the fused kernels serve either way.
         process_group: torchclip only: the tensors are this rank's shard of the group's; the result is
             the norm of all of them, the same on every rank (one all_gather of one scalar).
+        exact: torchclip only: for p = 1 and 2, the true norm rounded once, the same bits for any thread
+            count, list order, views or shards (None: `torchclip.set_exact_norm`'s setting; True raises
+            for gradients off the CPU).
 
     Returns:
         The total norm, a 0-d tensor.
@@ -150,36 +154,47 @@ def get_total_norm(
         tensor(4.3589)
     """
     tensors = _readable(tensors)
+    _ops.check_exact(exact)
     if process_group is None and not _ops.dynamo_is_tracing():
-        total_norm = _ops.total_norm_of_plain(tensors, norm_type, error_if_nonfinite)
+        total_norm = _ops.total_norm_of_plain(tensors, norm_type, error_if_nonfinite, exact)
         if total_norm is not None:
             return total_norm
     tensors = _as_list(tensors)
     norm_type = _as_number("norm_type", norm_type)
     _check_tensors(tensors, "tensors")
     with torch.no_grad():
-        return _total_norm_general(tensors, norm_type, error_if_nonfinite, foreach, process_group)
+        return _total_norm_general(tensors, norm_type, error_if_nonfinite, foreach, process_group, exact)
 
 
-def _total_norm_general(tensors: Sequence[Tensor], norm_type: float, error_if_nonfinite, foreach, process_group):
+def _total_norm_general(
+    tensors: Sequence[Tensor], norm_type: float, error_if_nonfinite, foreach, process_group, exact: bool | None
+):
     gradients = Gradients(tensors, process_group=process_group)
+    gradients.refuse_exact(exact)
     if gradients.route is Route.HAND_SHARDS:
-        return gradients.sharded_total_norm(norm_type, error_if_nonfinite).to(_ops.total_norm_dtype(tensors))
+        total = gradients.sharded_total_norm(norm_type, error_if_nonfinite, exact)
+        return total.to(_ops.total_norm_dtype(tensors))
     if len(tensors) == 0:
         return torch.tensor(0.0)
     if gradients.route is Route.KERNELS:
-        total_norm, _ = _ops.multi_tensor_norm(tensors, norm_type, error_if_nonfinite)
+        total_norm, _ = _ops.multi_tensor_norm(tensors, norm_type, error_if_nonfinite, exact)
         return total_norm
     if gradients.route is Route.SPARSE:
-        total_wide, dtype = _total_norm_with_sparse(tensors, norm_type, error_if_nonfinite)
+        total_wide, dtype = _total_norm_with_sparse(gradients, norm_type, error_if_nonfinite, exact)
         return total_wide.to(dtype)
     # DTensors too: torch's result is itself a DTensor, which the drop-in returns as torch does.
     return _torch_get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
 
 
-def _total_norm_with_sparse(tensors: list[Tensor], norm_type: float, error_if_nonfinite: bool):
+def _total_norm_with_sparse(gradients: Gradients, norm_type: float, error_if_nonfinite: bool, exact: bool | None):
     """(total norm in float64 on the first tensor's device, torch's result dtype) of a list holding
-    sparse COO tensors, by torch's definition: the norm of the per-tensor norms."""
+    sparse COO tensors, by torch's definition: the norm of the per-tensor norms (with exact norms, the
+    true total rounded once)."""
+    tensors = gradients.tensors
+    if _ops.exact_norms(exact) and norm_type in (1.0, 2.0) and _sparse.on_cpu(tensors):
+        _, total = gradients.norms(norm_type, exact)
+        _shards.raise_if_nonfinite(total, norm_type, error_if_nonfinite)
+        return total, _ops.total_norm_dtype(tensors)
     device = tensors[0].device
     sparse = [t for t in tensors if _sparse.is_sparse(t)]
     dense = [t for t in tensors if not _sparse.is_sparse(t)]
@@ -257,6 +272,7 @@ def clip_grad_norm_(
     foreach: bool | None = None,
     *,
     process_group: ProcessGroup | None = None,
+    exact: bool | None = None,
 ) -> Tensor:
     r"""Clip the gradient norm of an iterable of parameters, in place; return the total norm.
 
@@ -277,6 +293,9 @@ def clip_grad_norm_(
         foreach: accepted for torch's signature.
         process_group: torchclip only: the parameters are this rank's shard; every rank gets the global
             norm and clips with the same coefficient, at the cost of one all_gather of one scalar.
+        exact: torchclip only: for p = 1 and 2, the true norm rounded once, so the norm and the clipped
+            gradients are the same bits for any thread count, list order or sharding (None:
+            `torchclip.set_exact_norm`'s setting; True raises for gradients off the CPU).
 
     Returns:
         The total norm of the gradients before clipping, a 0-d tensor in their promoted dtype.
@@ -292,8 +311,9 @@ def clip_grad_norm_(
     """
     given = parameters
     parameters = _readable(parameters)
+    _ops.check_exact(exact)
     if process_group is None and not _ops.dynamo_is_tracing():
-        total_norm = _ops.clip_grad_norm_of_plain(parameters, max_norm, norm_type, error_if_nonfinite)
+        total_norm = _ops.clip_grad_norm_of_plain(parameters, max_norm, norm_type, error_if_nonfinite, exact=exact)
         if total_norm is not None:
             return total_norm
     parameters = _as_list(parameters)
@@ -306,23 +326,24 @@ def clip_grad_norm_(
     grads = _grads(parameters)
     with torch.no_grad():
         return _clip_grad_norm_general(
-            parameters, grads, max_norm, norm_type, error_if_nonfinite, foreach, process_group
+            parameters, grads, max_norm, norm_type, error_if_nonfinite, foreach, process_group, exact
         )
 
 
 def _clip_grad_norm_general(
-    parameters, grads, max_norm: float, norm_type: float, error_if_nonfinite, foreach, process_group
+    parameters, grads, max_norm: float, norm_type: float, error_if_nonfinite, foreach, process_group, exact
 ) -> Tensor:
     params = [p for p in parameters if p.grad is not None] if process_group is not None else None
     gradients = Gradients(grads, params, process_group=process_group)
+    gradients.refuse_exact(exact)
     if gradients.shards is not None:  # hand shards, FSDP2 / DTensor gradients: one collective
-        total = gradients.sharded_total_norm(norm_type, error_if_nonfinite)
+        total = gradients.sharded_total_norm(norm_type, error_if_nonfinite, exact)
         gradients.scale_(_coefficient(max_norm, total, 1e-6))
         return total.to(_ops.total_norm_dtype(grads))
     if grads and gradients.route is Route.KERNELS:
-        return _ops.clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite)[0]
+        return _ops.clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite, exact=exact)[0]
     if gradients.route is Route.SPARSE:
-        total_wide, dtype = _total_norm_with_sparse(grads, norm_type, error_if_nonfinite)
+        total_wide, dtype = _total_norm_with_sparse(gradients, norm_type, error_if_nonfinite, exact)
         gradients.scale_(_coefficient(max_norm, total_wide, 1e-6))
         return total_wide.to(dtype)
     # Other devices, subclasses, or no gradient at all: torch's composition.

@@ -15,7 +15,10 @@ is counted exactly once:
   shard when its coordinate is 0 along every mesh dimension whose placement is Replicate.
 
 Norms of any order combine by the same rule the kernels use within a rank: the p-norm of the
-pieces' p-norms (a sum of counts for p = 0), so one combine works for every norm type.
+pieces' p-norms (a sum of counts for p = 0), so one combine works for every norm type. Exact norms
+(p = 1 and 2, `exact=` or torchclip.set_exact_norm) exchange exact sums instead: each rank's sum of
+|x| or x^2 as int64 digits, added by one all_reduce, which integer addition makes exact in any order,
+then rounded once: any number of ranks and any sharding give one process's bits.
 """
 
 from __future__ import annotations
@@ -126,17 +129,52 @@ def _all_combine(values: Tensor, norm_type: float, groups) -> Tensor:
     return values
 
 
-def sharded_norms(shards: Shards, norm_type: float, per_tensor: bool = False) -> tuple[Tensor, Tensor | None]:
+def _exact_sums(shards: Shards, norm_type: float, per_tensor: bool) -> Tensor:
+    """This rank's exact sums (int64 rows, _ops.exact_sums): one per gradient, or one for all; zero
+    rows where this rank does not count its piece."""
+    counted = [i for i, c in enumerate(shards.counted) if c and shards.local[i].numel() > 0]
+    if counted and not per_tensor:
+        return _ops.exact_sums([shards.local[i] for i in counted], norm_type, False)
+    rows = torch.zeros((len(shards.local) if per_tensor else 1, _ops.EXACT_SUM_COLUMNS), dtype=torch.int64)
+    if counted:
+        rows[counted] = _ops.exact_sums([shards.local[i] for i in counted], norm_type, True)
+    return rows
+
+
+def _all_add(rows: Tensor, groups) -> Tensor:
+    """rows summed element-wise over the ranks of each group in turn: integers, so exact in any order."""
+    for group in groups:
+        dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=group)
+    return rows
+
+
+def _exact_norms(shards: Shards, norm_type: float, per_tensor: bool) -> tuple[Tensor, Tensor | None]:
+    rows = _all_add(_exact_sums(shards, norm_type, per_tensor), shards.groups)
+    total = _ops.norms_of_exact_sums(rows.sum(dim=0, keepdim=True), norm_type)[0]
+    return total, (_ops.norms_of_exact_sums(rows, norm_type) if per_tensor else None)
+
+
+def _exactly_summed(shards: Shards, norm_type: float) -> bool:
+    """Whether exact norms apply: orders 1 and 2, and no complex piece for order 1 (|z| is not exact)."""
+    return norm_type == 2.0 or (norm_type == 1.0 and not any(t.is_complex() for t in shards.local))
+
+
+def sharded_norms(
+    shards: Shards, norm_type: float, per_tensor: bool = False, exact: bool = False
+) -> tuple[Tensor, Tensor | None]:
     """(global total norm, global per-tensor norms or None), float64 on the CPU, the same on every rank.
 
     Without per_tensor the collective carries one scalar per rank; with it (aligned shards only), one
     value per gradient, and the total is formed from the global per-tensor norms. p = 0 takes the
-    per-tensor route whenever the shards are aligned: torch's p = 0 total counts whole tensors."""
+    per-tensor route whenever the shards are aligned: torch's p = 0 total counts whole tensors. With
+    exact (p = 1, 2), exact sums are exchanged instead (kExactSumColumns int64s per row; see above)."""
     if per_tensor and not shards.aligned:
         raise ValueError(
             "per_tensor: per-tensor norms need every rank to hold pieces of the same gradients "
             "in the same order (DTensor gradients do; hand-sharded lists need not)"
         )
+    if exact and _exactly_summed(shards, norm_type):
+        return _exact_norms(shards, norm_type, per_tensor)
     local = _local_norms(shards, norm_type)
     if per_tensor or (norm_type == 0.0 and shards.aligned):
         norms = _all_combine(local, norm_type, shards.groups)
@@ -208,11 +246,16 @@ def dtensor_shards(grads: list[Tensor]) -> Shards | None:
 
 
 def global_norms(
-    parameters: Tensor | Iterable[Tensor], norm_type: float = 2.0, *, process_group: dist.ProcessGroup | None = None
+    parameters: Tensor | Iterable[Tensor],
+    norm_type: float = 2.0,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    exact: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(total norm, per-gradient norms) of sharded gradients, for logging.
 
-    Float64 on the CPU, the same on every rank, from one all_gather of one value per gradient.
+    Float64 on the CPU, the same on every rank, from one all_gather of one value per gradient (one
+    all_reduce of one exact sum per gradient with exact norms).
 
     Args:
         parameters: parameters whose gradients are DTensors, or, with process_group, this rank's pieces
@@ -220,6 +263,8 @@ def global_norms(
             holds none); parameters without a gradient are skipped.
         norm_type: the norm's order p.
         process_group: the group the pieces are spread over; None for DTensor gradients.
+        exact: exact norms (p = 1, 2): the true norms rounded once, one process's bits on any number of
+            ranks; None: torchclip.set_exact_norm's setting.
 
     Returns:
         (the total norm, each gradient's norm).
@@ -231,6 +276,7 @@ def global_norms(
     Example:
         >>> total, per_tensor = torchclip.distributed.global_norms(model.parameters())
     """
+    _ops.check_exact(exact)
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
     params = [p for p in params if p.grad is not None]
     grads = [p.grad for p in params]
@@ -243,4 +289,4 @@ def global_norms(
                 "parameters: without a process_group, global_norms takes DTensor gradients with "
                 "Shard or Replicate placements"
             )
-    return sharded_norms(shards, float(norm_type), per_tensor=True)
+    return sharded_norms(shards, float(norm_type), per_tensor=True, exact=_ops.exact_norms(exact))

@@ -11,7 +11,9 @@ from torchclip._gradients import Gradients
 __all__ = ["grad_norm"]
 
 
-def grad_norm(module: torch.nn.Module, norm_type: float | str, group_separator: str = "/") -> dict[str, Tensor]:
+def grad_norm(
+    module: torch.nn.Module, norm_type: float | str, group_separator: str = "/", *, exact: bool | None = None
+) -> dict[str, Tensor]:
     """Each parameter's gradient norm and their total, for logging: Lightning's `grad_norm`.
 
     A drop-in for `lightning.pytorch.utilities.grad_norm`, with its keys and values. Lightning runs one
@@ -22,6 +24,8 @@ def grad_norm(module: torch.nn.Module, norm_type: float | str, group_separator: 
         module: the model; parameters without a gradient are left out.
         norm_type: the order p, a number > 0 or 'inf'.
         group_separator: between the prefix and the parameter's name in each key.
+        exact: torchclip only: for p = 1 and 2, every norm and the total the true value rounded once
+            (None: `torchclip.set_exact_norm`'s setting; True raises for gradients off the CPU).
 
     Returns:
         `{"grad_{p}_norm{sep}{name}": norm, ..., "grad_{p}_norm_total": total}` (p as a float), 0-d CPU
@@ -46,13 +50,13 @@ def grad_norm(module: torch.nn.Module, norm_type: float | str, group_separator: 
     if not number > 0:  # NaN too, which Lightning lets through to NaN norms
         raise ValueError(f"{refused} {number}")
     norm_type = number
+    _ops.check_exact(exact)
     named = [(name, p.grad.detach()) for name, p in module.named_parameters() if p.grad is not None]
     if not named:
         return {}
     grads = [g for _, g in named]
     with torch.no_grad():
-        norms = Gradients(grads).tensor_norms(norm_type)
-        total = torch.linalg.vector_norm(norms, norm_type)
+        norms, total = Gradients(grads).norms(norm_type, exact)
         on_host = torch.cat([norms, total.reshape(1)]).cpu()  # the one device-to-host copy
     out = {
         f"grad_{norm_type}_norm{group_separator}{name}": on_host[i].to(g.dtype.to_real())

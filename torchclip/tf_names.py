@@ -113,7 +113,9 @@ def _axes(axes, ndim: int) -> tuple[int, ...] | None:
     return tuple(a % max(ndim, 1) for a in items)
 
 
-def clip_by_norm(t: Tensor, clip_norm: float | Tensor, axes: int | Sequence[int] | None = None) -> Tensor:
+def clip_by_norm(
+    t: Tensor, clip_norm: float | Tensor, axes: int | Sequence[int] | None = None, *, exact: bool | None = None
+) -> Tensor:
     """`tf.clip_by_norm`: t * clip_norm / max(||t||, clip_norm), a new tensor of t's dtype.
 
     The norm accumulates in float64 (TensorFlow's, in t's dtype, overflows for float32 norms above
@@ -124,6 +126,8 @@ def clip_by_norm(t: Tensor, clip_norm: float | Tensor, axes: int | Sequence[int]
         clip_norm: the largest norm, a number or a 0-d tensor, finite and > 0.
         axes: None for the whole tensor's L2 norm; an int or list of ints: the norms over those
             dimensions, one per remaining slice, each slice clipped by its own.
+        exact: torchclip only: the norm the true value rounded once (None: `torchclip.set_exact_norm`'s
+            setting; True raises for tensors off the CPU or that autograd tracks, and with axes).
 
     Returns:
         A new tensor of t's dtype; a zero tensor stays zero.
@@ -141,9 +145,11 @@ def clip_by_norm(t: Tensor, clip_norm: float | Tensor, axes: int | Sequence[int]
     if not (t.is_floating_point() or t.is_complex()):
         raise TypeError(f"clip_by_norm: t has dtype {t.dtype}; a norm needs a floating point or complex dtype")
     dims = _axes(axes, t.dim())
+    if _ops.check_exact(exact) and dims is not None:
+        raise ValueError(f"exact=True: norms over axes are not taken exactly; exact norms need axes=None, got {axes!r}")
     wide = torch.complex128 if t.is_complex() else torch.float64
     if dims is None:
-        norm = Gradients([t]).tensor_norms()[0]
+        norm = Gradients([t]).tensor_norms(exact=exact)[0]
     else:
         norm = torch.linalg.vector_norm(t, 2.0, dim=dims, keepdim=True, dtype=wide)
     limit = clip_norm.to(norm.device, torch.float64) if isinstance(clip_norm, Tensor) else clip_norm
@@ -165,16 +171,18 @@ def _tensors_of(t_list) -> tuple[list[Tensor], list[int]]:
     return tensors, positions
 
 
-def _global_norm64(tensors: list[Tensor]) -> Tensor:
+def _global_norm64(tensors: list[Tensor], exact: bool | None) -> Tensor:
     """The L2 norm of all tensors together, float64, on the first tensor's device."""
-    return torch.linalg.vector_norm(Gradients(tensors).tensor_norms(), 2.0)
+    return Gradients(tensors).norms(2.0, exact)[1]
 
 
-def global_norm(t_list: Sequence[Tensor | None]) -> Tensor:
+def global_norm(t_list: Sequence[Tensor | None], *, exact: bool | None = None) -> Tensor:
     """`tf.linalg.global_norm`: sqrt(sum of ||t||^2) over the tensors of t_list.
 
     Args:
         t_list: a list or tuple of tensors; None entries are ignored.
+        exact: torchclip only: the norm the true value rounded once (None: `torchclip.set_exact_norm`'s
+            setting; True raises for tensors off the CPU or that autograd tracks).
 
     Returns:
         A 0-d tensor in the tensors' promoted (real) dtype, accumulated in float64; 0 when there are none.
@@ -187,13 +195,18 @@ def global_norm(t_list: Sequence[Tensor | None]) -> Tensor:
         tensor(5.)
     """
     tensors, _ = _tensors_of(t_list)
+    _ops.check_exact(exact)
     if not tensors:
         return torch.tensor(0.0)
-    return _global_norm64(tensors).to(_ops.total_norm_dtype(tensors))
+    return _global_norm64(tensors, exact).to(_ops.total_norm_dtype(tensors))
 
 
 def clip_by_global_norm(
-    t_list: Sequence[Tensor | None], clip_norm: float | Tensor, use_norm: float | Tensor | None = None
+    t_list: Sequence[Tensor | None],
+    clip_norm: float | Tensor,
+    use_norm: float | Tensor | None = None,
+    *,
+    exact: bool | None = None,
 ) -> tuple[list[Tensor | None], Tensor]:
     """`tf.clip_by_global_norm`: every tensor times clip_norm / max(global_norm, clip_norm).
 
@@ -204,6 +217,8 @@ def clip_by_global_norm(
         t_list: a list or tuple of tensors; None entries stay None in their place.
         clip_norm: the largest global norm, a number or a 0-d tensor, finite and > 0.
         use_norm: a number or 0-d tensor taken as the global norm instead of computing it.
+        exact: torchclip only: the norm the true value rounded once (None: `torchclip.set_exact_norm`'s
+            setting; True raises for tensors off the CPU or that autograd tracks).
 
     Returns:
         (list_clipped, global_norm): the new tensors, and the global norm (use_norm as it was given).
@@ -219,6 +234,7 @@ def clip_by_global_norm(
     """
     tensors, positions = _tensors_of(t_list)
     clip_norm = _clip_norm("clip_norm", clip_norm)
+    _ops.check_exact(exact)
     if use_norm is not None and not (isinstance(use_norm, (int, float, Tensor)) and not isinstance(use_norm, bool)):
         raise TypeError(f"use_norm must be a number or a 0-d tensor, got {use_norm!r}")
     if isinstance(use_norm, Tensor) and use_norm.dim() != 0:
@@ -226,7 +242,11 @@ def clip_by_global_norm(
     if not tensors:
         return list(t_list), torch.as_tensor(0.0 if use_norm is None else use_norm)
     device = tensors[0].device
-    norm64 = _global_norm64(tensors) if use_norm is None else torch.as_tensor(use_norm, dtype=torch.float64).to(device)
+    norm64 = (
+        _global_norm64(tensors, exact)
+        if use_norm is None
+        else torch.as_tensor(use_norm, dtype=torch.float64).to(device)
+    )
     limit = clip_norm.to(device, torch.float64) if isinstance(clip_norm, Tensor) else clip_norm
     # TensorFlow's: clip_norm * min(1 / norm, 1 / clip_norm), plus (norm - norm), NaN for inf or NaN.
     scale = limit * torch.minimum(1.0 / norm64, torch.as_tensor(1.0 / limit, dtype=torch.float64, device=device)) + (

@@ -31,6 +31,10 @@ bool set_exact_norms(bool enabled) {
   return exact_norms.exchange(enabled);
 }
 
+bool exact_norms_for(std::optional<bool> exact) {
+  return exact.value_or(exact_norms_enabled());
+}
+
 void Split::add(const at::Tensor& t, int64_t index) {
   promoted = index == 0 ? t.scalar_type() : c10::promoteTypes(promoted, t.scalar_type());
   if (const auto dtype = kernel_dtype(t)) {
@@ -84,54 +88,77 @@ struct WideNorms {
   std::optional<double> exact_total;  // correctly rounded; set where the exact norms took the total
 };
 
-// Exact norms (p = 1, 2): the kernels' exact sums over every tensor, those ATen would serve copied dense
-// first (a complex tensor's squared magnitudes are its real view's squares; its p = 1 norm is not a sum
-// of exact terms, so such a list keeps float64 arithmetic for the total).
-WideNorms exact_norms_wide(at::TensorList tensors, const Split& split, double ord) {
-  const NormKind kind = ord == 1.0 ? NormKind::One : NormKind::Two;
-  std::vector<cpu::TensorSpan> spans(split.spans.begin(), split.spans.end());
-  std::vector<int64_t> sources(split.span_source.begin(), split.span_source.end());
+// A list as the exact kernel's input: the kernels' spans, then ATen's tensors copied dense (a complex
+// tensor's squared magnitudes are its real view's squares). `inexact`: tensors whose norm is not a sum of
+// exact terms (a complex tensor's p = 1 norm), left out of the spans.
+struct ExactInput {
+  std::vector<cpu::TensorSpan> spans;
+  std::vector<int64_t> sources;  // spans[k] is tensors[sources[k]]
   std::vector<at::Tensor> dense;  // (kept alive while the kernels read them)
-  WideNorms out{std::vector<double>(tensors.size()), std::nullopt};
-  bool all_exact = true;
+  std::vector<int64_t> inexact;
+};
+
+ExactInput exact_input(at::TensorList tensors, const Split& split, NormKind kind) {
+  ExactInput input{{split.spans.begin(), split.spans.end()}, {split.span_source.begin(), split.span_source.end()}, {},
+      {}};
   for (int64_t i : split.aten_path) {
     const at::Tensor& t = tensors[i];
     if (t.is_complex() && kind == NormKind::One) {
-      out.norms[i] = aten_norm(t, ord);
-      all_exact = false;
+      input.inexact.push_back(i);
       continue;
     }
     const at::Tensor real = (t.is_complex() ? at::view_as_real(t.resolve_conj()) : t).resolve_neg().contiguous();
     const std::optional<DType> dtype = kernel_dtype(real);
     if (!dtype) {
-      out.norms[i] = aten_norm(t, ord);
-      all_exact = false;
+      input.inexact.push_back(i);
       continue;
     }
-    dense.push_back(real);
-    spans.push_back({dense.back().data_ptr(), dense.back().numel(), *dtype});
-    sources.push_back(i);  // (a complex tensor's p = 2 norm is its real view's)
+    input.dense.push_back(real);
+    input.spans.push_back({real.data_ptr(), real.numel(), *dtype});
+    input.sources.push_back(i);
   }
-  std::vector<double> span_norms(spans.size());
+  return input;
+}
+
+NormKind exact_kind(double ord) {
+  return ord == 1.0 ? NormKind::One : NormKind::Two;
+}
+
+// The correctly rounded norm of an exact sum, NaN and inf as the kernels flag them (1: NaN, 2: inf).
+double exact_norm_of(const ExactSum& sum, int32_t flags, NormKind kind) {
+  return (flags & 1)          ? std::numeric_limits<double>::quiet_NaN()
+      : (flags & 2)           ? std::numeric_limits<double>::infinity()
+      : kind == NormKind::One ? sum.to_double()
+                              : sum.sqrt_rounded();
+}
+
+// Exact norms (p = 1, 2): the kernels' exact sums over every tensor. A list holding an inexact tensor
+// keeps float64 arithmetic for the total.
+WideNorms exact_norms_wide(at::TensorList tensors, const Split& split, double ord) {
+  const NormKind kind = exact_kind(ord);
+  const ExactInput input = exact_input(tensors, split, kind);
+  WideNorms out{std::vector<double>(tensors.size()), std::nullopt};
+  for (int64_t i : input.inexact) {
+    out.norms[i] = aten_norm(tensors[i], ord);
+  }
+  std::vector<double> span_norms(input.spans.size());
   ExactSum total;
   int32_t flags = 0;
-  cpu_kernels().exact_norms(spans.data(), static_cast<int64_t>(spans.size()), kind, span_norms.data(), &total, &flags);
-  for (size_t k = 0; k < spans.size(); ++k) {
-    out.norms[sources[k]] = span_norms[k];
+  cpu_kernels().exact_norms(input.spans.data(), static_cast<int64_t>(input.spans.size()), kind, span_norms.data(),
+      &total, &flags);
+  for (size_t k = 0; k < input.spans.size(); ++k) {
+    out.norms[input.sources[k]] = span_norms[k];
   }
-  if (all_exact) {
-    out.exact_total = (flags & 1) ? std::numeric_limits<double>::quiet_NaN()
-        : (flags & 2)             ? std::numeric_limits<double>::infinity()
-        : kind == NormKind::One   ? total.to_double()
-                                  : total.sqrt_rounded();
+  if (input.inexact.empty()) {
+    out.exact_total = exact_norm_of(total, flags, kind);
   }
   return out;
 }
 
 // Per-tensor norms in float64: kernels for the spans, ATen (in float64) for the rest.
-WideNorms tensor_norms_wide(at::TensorList tensors, const Split& split, double ord, const char* op) {
+WideNorms tensor_norms_wide(at::TensorList tensors, const Split& split, double ord, const char* op, bool exact) {
   check_norm_inputs(tensors, split.aten_path, ord, op);
-  if (exact_norms_enabled() && (ord == 1.0 || ord == 2.0)) {
+  if (exact && (ord == 1.0 || ord == 2.0)) {
     return exact_norms_wide(tensors, split, ord);
   }
   std::vector<double> norms(tensors.size());
@@ -223,23 +250,82 @@ double total_of(const WideNorms& wide, double ord) {
                           : total_norm(wide.norms.data(), static_cast<int64_t>(wide.norms.size()), norm_order(ord));
 }
 
-at::Tensor total_of_norms(const WideNorms& norms, const Split& split, double ord, bool error_if_nonfinite) {
+at::Tensor total_of_norms(const WideNorms& norms, const Split& split, double ord, bool error_if_nonfinite,
+    std::optional<at::ScalarType> dtype = std::nullopt) {
   const double total = total_of(norms, ord);
   check_finite_total(total, ord, error_if_nonfinite);
-  return scalar_in_dtype(total, total_norm_dtype(split.promoted));
+  return scalar_in_dtype(total, dtype.value_or(total_norm_dtype(split.promoted)));
 }
 
 }  // namespace
 
-at::Tensor total_norm_cpu_split(at::TensorList tensors, const Split& split, double ord, bool error_if_nonfinite) {
-  return total_of_norms(tensor_norms_wide(tensors, split, ord, "torchclip.multi_tensor_norm"), split, ord,
+at::Tensor total_norm_cpu_split(at::TensorList tensors, const Split& split, double ord, bool error_if_nonfinite,
+    bool exact) {
+  return total_of_norms(tensor_norms_wide(tensors, split, ord, "torchclip.multi_tensor_norm", exact), split, ord,
       error_if_nonfinite);
 }
 
 std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_cpu_split(at::TensorList tensors, const Split& split, double ord,
-    bool error_if_nonfinite) {
-  const WideNorms norms = tensor_norms_wide(tensors, split, ord, "torchclip.multi_tensor_norm");
-  return {total_of_norms(norms, split, ord, error_if_nonfinite), float64_vector(norms.norms)};
+    bool error_if_nonfinite, bool exact, std::optional<at::ScalarType> dtype) {
+  const WideNorms norms = tensor_norms_wide(tensors, split, ord, "torchclip.multi_tensor_norm", exact);
+  return {total_of_norms(norms, split, ord, error_if_nonfinite, dtype), float64_vector(norms.norms)};
+}
+
+at::Tensor exact_sums_cpu(at::TensorList tensors, double ord, bool per_tensor) {
+  constexpr const char* op = "torchclip.exact_sums";
+  TORCH_CHECK_VALUE(ord == 1.0 || ord == 2.0, op, ": exact sums are of |x| (ord 1) or x^2 (ord 2), got ord ",
+      python_float(ord));
+  const Split split = split_tensors(tensors, op);
+  check_norm_inputs(tensors, split.aten_path, ord, op);
+  const NormKind kind = exact_kind(ord);
+  const ExactInput input = exact_input(tensors, split, kind);
+  TORCH_CHECK_VALUE(input.inexact.empty(), op, ": tensors[", input.inexact.empty() ? 0 : input.inexact[0],
+      "] has dtype ", tensors[input.inexact.empty() ? 0 : input.inexact[0]].scalar_type(), ", whose norm of order ",
+      python_float(ord), " is not a sum of exact terms");
+  const int64_t rows = per_tensor ? static_cast<int64_t>(tensors.size()) : 1;
+  at::Tensor out = at::zeros({rows, kExactSumColumns}, at::kLong);
+  int64_t* const data = out.data_ptr<int64_t>();
+  const auto write_row = [&](int64_t row, const ExactSum& sum, int32_t flags) {
+    int64_t* const columns = data + row * kExactSumColumns;
+    columns[0] = flags & 1;
+    columns[1] = (flags >> 1) & 1;
+    sum.to_digits(columns + 2);
+  };
+  std::vector<double> norms(input.spans.size());
+  if (!per_tensor) {
+    ExactSum total;
+    int32_t flags = 0;
+    cpu_kernels().exact_norms(input.spans.data(), static_cast<int64_t>(input.spans.size()), kind, norms.data(), &total,
+        &flags);
+    write_row(0, total, flags);
+    return out;
+  }
+  for (size_t k = 0; k < input.spans.size(); ++k) {  // one call per tensor: each row its own sum
+    ExactSum sum;
+    int32_t flags = 0;
+    cpu_kernels().exact_norms(&input.spans[k], 1, kind, &norms[k], &sum, &flags);
+    write_row(input.sources[k], sum, flags);
+  }
+  return out;
+}
+
+at::Tensor norms_of_exact_sums(const at::Tensor& sums, double ord) {
+  constexpr const char* op = "torchclip.norms_of_exact_sums";
+  TORCH_CHECK_VALUE(ord == 1.0 || ord == 2.0, op, ": ord must be 1 or 2, got ", python_float(ord));
+  TORCH_CHECK_VALUE(
+      sums.device().is_cpu() && sums.scalar_type() == at::kLong && sums.dim() == 2 && sums.size(1) == kExactSumColumns,
+      op, ": sums must be a CPU int64 tensor of shape (rows, ", kExactSumColumns, ") (exact_sums' rows), got ",
+      sums.scalar_type(), " ", sums.sizes(), " on ", sums.device());
+  const at::Tensor rows = sums.contiguous();
+  TORCH_CHECK_VALUE(rows.ge(0).all().item<bool>(), op, ": sums holds a negative entry; exact sums are >= 0");
+  const int64_t* const data = rows.data_ptr<int64_t>();
+  std::vector<double> norms(rows.size(0));
+  for (int64_t r = 0; r < rows.size(0); ++r) {
+    const int64_t* const columns = data + r * kExactSumColumns;
+    const int32_t flags = (columns[0] != 0 ? 1 : 0) | (columns[1] != 0 ? 2 : 0);
+    norms[r] = exact_norm_of(ExactSum::from_digits(columns + 2), flags, exact_kind(ord));
+  }
+  return float64_vector(norms);
 }
 
 void multi_tensor_clamp_cpu_split(at::TensorList tensors, const Split& split, double min, double max) {
@@ -260,11 +346,12 @@ void multi_tensor_clamp_cpu_split(at::TensorList tensors, const Split& split, do
 }
 
 at::Tensor clip_grad_norm_cpu_split(at::TensorList grads, const Split& split, double max_norm, double norm_type,
-    bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite, NormClipStats* stats) {
+    bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite, bool exact,
+    NormClipStats* stats) {
   constexpr const char* op = "torchclip.clip_grad_norm_";
   const NonFinite policy = parse_nonfinite(nonfinite, op);
   check_writable(grads, split.aten_path, op);
-  const WideNorms wide = tensor_norms_wide(grads, split, norm_type, op);
+  const WideNorms wide = tensor_norms_wide(grads, split, norm_type, op, exact);
   const std::vector<double>& norms = wide.norms;
   const double total = total_of(wide, norm_type);
   check_finite_total(total, norm_type, error_if_nonfinite || policy == NonFinite::Raise);
@@ -284,11 +371,11 @@ at::Tensor clip_grad_norm_cpu_split(at::TensorList grads, const Split& split, do
 }
 
 at::Tensor clip_by_tensor_norm_cpu_split(at::TensorList tensors, const Split& split, double max_norm,
-    c10::string_view nonfinite) {
+    c10::string_view nonfinite, bool exact) {
   constexpr const char* op = "torchclip.clip_by_tensor_norm_";
   const NonFinite policy = parse_nonfinite(nonfinite, op);
   check_writable(tensors, split.aten_path, op);
-  const std::vector<double> norms = tensor_norms_wide(tensors, split, 2.0, op).norms;
+  const std::vector<double> norms = tensor_norms_wide(tensors, split, 2.0, op, exact).norms;
   const bool any_nonfinite = std::any_of(norms.begin(), norms.end(), [](double n) { return !std::isfinite(n); });
   TORCH_CHECK(!(any_nonfinite && policy == NonFinite::Raise), op, kTensorNormNonFinite);
   // Unchanged when norm <= max_norm; otherwise max_norm / norm (NaN for a NaN norm: propagated).
@@ -299,16 +386,19 @@ at::Tensor clip_by_tensor_norm_cpu_split(at::TensorList tensors, const Split& sp
   if (may_overlap(split.spans.data(), split.spans.size(), tensors, split.aten_path)) {
     // Each tensor clipped by its norm as the ones before it left it, as a loop over the list does.
     std::vector<double> seen(norms.size());
+    const auto norm_now = [&](int64_t i) {
+      const at::TensorList one = tensors.slice(i, 1);
+      return tensor_norms_wide(one, split_tensors(one, op), 2.0, op, exact).norms[0];
+    };
     in_list_order(
         tensors, split,
         [&](int64_t k) {
-          double& norm = seen[split.span_source[k]];
-          cpu_kernels().tensor_norms(&split.spans[k], 1, norm_order(2.0), &norm);
-          const double scale = scale_for(norm);
+          seen[split.span_source[k]] = norm_now(split.span_source[k]);
+          const double scale = scale_for(seen[split.span_source[k]]);
           cpu_kernels().scale(&split.spans[k], 1, &scale);
         },
         [&](int64_t i) {
-          seen[i] = aten_norm(tensors[i], 2.0);
+          seen[i] = norm_now(i);
           if (const double scale = scale_for(seen[i]); scale != 1.0) {
             tensors[i].mul_(scale);
           }
@@ -324,9 +414,10 @@ at::Tensor clip_by_tensor_norm_cpu_split(at::TensorList tensors, const Split& sp
 namespace {
 
 // The dispatcher's CPU kernels: split, then the shared implementations above.
-std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_cpu(at::TensorList tensors, double ord, bool error_if_nonfinite) {
+std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_cpu(at::TensorList tensors, double ord, bool error_if_nonfinite,
+    std::optional<bool> exact, std::optional<at::ScalarType> dtype) {
   return multi_tensor_norm_cpu_split(tensors, split_tensors(tensors, "torchclip.multi_tensor_norm"), ord,
-      error_if_nonfinite);
+      error_if_nonfinite, exact_norms_for(exact), dtype);
 }
 
 void multi_tensor_scale_cpu(at::TensorList tensors, const at::Tensor& scale) {
@@ -370,18 +461,20 @@ void multi_tensor_clamp_cpu(at::TensorList tensors, double min, double max) {
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> clip_grad_norm_cpu(at::TensorList grads, double max_norm,
-    double norm_type, bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite) {
+    double norm_type, bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite,
+    std::optional<bool> exact) {
   check_not_inference(grads, "torchclip.clip_grad_norm_");
   NormClipStats stats;
   at::Tensor total = clip_grad_norm_cpu_split(grads, split_tensors(grads, "torchclip.clip_grad_norm_"), max_norm,
-      norm_type, error_if_nonfinite, eps, norm_at_least_float32, nonfinite, &stats);
+      norm_type, error_if_nonfinite, eps, norm_at_least_float32, nonfinite, exact_norms_for(exact), &stats);
   return {std::move(total), std::move(stats.norms), std::move(stats.coefficient)};
 }
 
-at::Tensor clip_by_tensor_norm_cpu(at::TensorList tensors, double max_norm, c10::string_view nonfinite) {
+at::Tensor clip_by_tensor_norm_cpu(at::TensorList tensors, double max_norm, c10::string_view nonfinite,
+    std::optional<bool> exact) {
   check_not_inference(tensors, "torchclip.clip_by_tensor_norm_");
   return clip_by_tensor_norm_cpu_split(tensors, split_tensors(tensors, "torchclip.clip_by_tensor_norm_"), max_norm,
-      nonfinite);
+      nonfinite, exact_norms_for(exact));
 }
 
 // ---- unit-wise clipping (AGC) ----------------------------------------------------------------------

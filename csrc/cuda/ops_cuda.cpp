@@ -210,7 +210,7 @@ void apply_in_place(at::TensorList tensors, const std::vector<DeviceSpan>& spans
 constexpr const char* kNormOp = "torchclip.multi_tensor_norm";
 
 std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_cuda_split(at::TensorList tensors, const DeviceSplit& split,
-    double ord, bool error_if_nonfinite) {
+    double ord, bool error_if_nonfinite, std::optional<at::ScalarType> dtype = std::nullopt) {
   const c10::cuda::CUDAGuard guard(split.device);
   const cudaStream_t stream = current_stream();
   const at::Tensor norms = tensor_norms(tensors, split, ord, kNormOp, stream);
@@ -220,12 +220,14 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_cuda_split(at::TensorList t
   if (error_if_nonfinite) {
     check_finite_total(total.item<double>(), ord, true);  // the check needs the value: a sync, as torch's
   }
-  return {total.to(total_norm_dtype(split.promoted)), norms};
+  return {total.to(dtype.value_or(total_norm_dtype(split.promoted))), norms};
 }
 
-std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_cuda(at::TensorList tensors, double ord, bool error_if_nonfinite) {
+std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_cuda(at::TensorList tensors, double ord, bool error_if_nonfinite,
+    std::optional<bool> exact, std::optional<at::ScalarType> dtype) {
   const c10::Device device = op_device(tensors, nullptr);
-  return multi_tensor_norm_cuda_split(tensors, split_tensors(tensors, kNormOp, device), ord, error_if_nonfinite);
+  check_exact_available(exact, device, kNormOp);
+  return multi_tensor_norm_cuda_split(tensors, split_tensors(tensors, kNormOp, device), ord, error_if_nonfinite, dtype);
 }
 
 void multi_tensor_scale_cuda(at::TensorList tensors, const at::Tensor& scale) {
@@ -320,9 +322,11 @@ at::Tensor clip_grad_norm_cuda_split(at::TensorList grads, const DeviceSplit& sp
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> clip_grad_norm_cuda(at::TensorList grads, double max_norm,
-    double norm_type, bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite) {
+    double norm_type, bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite,
+    std::optional<bool> exact) {
   const NonFinite policy = parse_nonfinite(nonfinite, kClipGradNormOp);
   const c10::Device device = op_device(grads, nullptr);
+  check_exact_available(exact, device, kClipGradNormOp);
   check_not_inference(grads, kClipGradNormOp);
   NormClipStats stats;
   at::Tensor total = clip_grad_norm_cuda_split(grads, split_tensors(grads, kClipGradNormOp, device), max_norm,
@@ -378,9 +382,11 @@ at::Tensor clip_by_tensor_norm_cuda_split(at::TensorList tensors, const DeviceSp
   return norms;
 }
 
-at::Tensor clip_by_tensor_norm_cuda(at::TensorList tensors, double max_norm, c10::string_view nonfinite) {
+at::Tensor clip_by_tensor_norm_cuda(at::TensorList tensors, double max_norm, c10::string_view nonfinite,
+    std::optional<bool> exact) {
   const NonFinite policy = parse_nonfinite(nonfinite, kClipByTensorNormOp);
   const c10::Device device = op_device(tensors, nullptr);
+  check_exact_available(exact, device, kClipByTensorNormOp);
   check_not_inference(tensors, kClipByTensorNormOp);
   return clip_by_tensor_norm_cuda_split(tensors, split_tensors(tensors, kClipByTensorNormOp, device), max_norm, policy);
 }

@@ -9,6 +9,7 @@
 
 #include "cpu/ops_cpu.h"
 #include "cuda_split_ops.h"
+#include "op_shared.h"
 #include "walk/param_walk.h"
 
 namespace torchclip::walk {
@@ -56,9 +57,11 @@ py::object wrap(at::Tensor tensor) {
 
 // Runs the op on the gathered tensors, its implementation for their device (the CPU's, or CUDA's
 // through CudaSplitOps) called directly on the walk's split, under a profiler event with the op's
-// name (what the dispatcher would record). Without the GIL when the tensors are owned.
+// name (what the dispatcher would record). Without the GIL when the tensors are owned. `exact`: the
+// call's own exact argument, which CUDA refuses when True (op_shared.h).
 template <typename OnCpu, typename OnCuda>
-auto run(const GatheredTensors& gathered, const char* op, const OnCpu& on_cpu, const OnCuda& on_cuda) {
+auto run(const GatheredTensors& gathered, const char* op, const OnCpu& on_cpu, const OnCuda& on_cuda,
+    std::optional<bool> exact = std::nullopt) {
   std::optional<py::gil_scoped_release> no_gil;
   if (gathered.may_release_gil()) {
     no_gil.emplace();
@@ -67,6 +70,7 @@ auto run(const GatheredTensors& gathered, const char* op, const OnCpu& on_cpu, c
   if (gathered.on_cpu()) {
     return on_cpu(gathered.tensors(), gathered.split());
   }
+  check_exact_available(exact, gathered.tensors()[0].device(), op);
   return on_cuda(cuda_ops(), gathered.tensors(), gathered.split());
 }
 
@@ -82,7 +86,8 @@ void use_cuda_split_ops(py::capsule ops) {
       std::memory_order_release);
 }
 
-py::object total_norm_of_plain(py::handle tensors, py::handle norm_type_arg, py::handle error_if_nonfinite) {
+py::object total_norm_of_plain(py::handle tensors, py::handle norm_type_arg, py::handle error_if_nonfinite,
+    std::optional<bool> exact) {
   const std::optional<double> norm_type = plain_number(norm_type_arg);
   const bool nonfinite_raises = truth(error_if_nonfinite);
   GatheredTensors gathered;
@@ -92,16 +97,17 @@ py::object total_norm_of_plain(py::handle tensors, py::handle norm_type_arg, py:
   return wrap(run(
       gathered, "torchclip::multi_tensor_norm",
       [&](at::TensorList list, const Split& split) {
-        return total_norm_cpu_split(list, split, *norm_type, nonfinite_raises);
+        return total_norm_cpu_split(list, split, *norm_type, nonfinite_raises, exact_norms_for(exact));
       },
       [&](const CudaSplitOps& cuda, at::TensorList list, const Split& split) {
         return cuda.total_norm(list, split, *norm_type, nonfinite_raises);
-      }));
+      },
+      exact));
 }
 
 py::object clip_grad_norm_of_plain(py::handle parameters, py::handle max_norm_arg, py::handle norm_type_arg,
     py::handle error_if_nonfinite, double eps, bool norm_at_least_float32, bool honor_need_clip,
-    const std::string& nonfinite, bool keep_stats) {
+    const std::string& nonfinite, bool keep_stats, std::optional<bool> exact) {
   const std::optional<double> max_norm = plain_number(max_norm_arg), norm_type = plain_number(norm_type_arg);
   const bool nonfinite_raises = truth(error_if_nonfinite);
   GatheredTensors grads;
@@ -114,12 +120,13 @@ py::object clip_grad_norm_of_plain(py::handle parameters, py::handle max_norm_ar
       grads, "torchclip::clip_grad_norm_",
       [&](at::TensorList list, const Split& split) {
         return clip_grad_norm_cpu_split(list, split, *max_norm, *norm_type, nonfinite_raises, eps,
-            norm_at_least_float32, nonfinite, kept);
+            norm_at_least_float32, nonfinite, exact_norms_for(exact), kept);
       },
       [&](const CudaSplitOps& cuda, at::TensorList list, const Split& split) {
         return cuda.clip_grad_norm_(list, split, *max_norm, *norm_type, nonfinite_raises, eps, norm_at_least_float32,
             nonfinite, kept);
-      });
+      },
+      exact);
   grads.bump_versions();
   if (keep_stats) {
     return py::make_tuple(wrap(std::move(total)), wrap(std::move(stats.norms)), wrap(std::move(stats.coefficient)));
@@ -128,7 +135,7 @@ py::object clip_grad_norm_of_plain(py::handle parameters, py::handle max_norm_ar
 }
 
 py::object clip_by_tensor_norm_of_plain(py::handle parameters, double max_norm, bool honor_need_clip,
-    const std::string& nonfinite) {
+    const std::string& nonfinite, std::optional<bool> exact) {
   GatheredTensors grads;
   if (!grads.gather(parameters.ptr(), true, honor_need_clip) || grads.empty()) {
     return py::none();
@@ -136,11 +143,12 @@ py::object clip_by_tensor_norm_of_plain(py::handle parameters, double max_norm, 
   at::Tensor norms = run(
       grads, "torchclip::clip_by_tensor_norm_",
       [&](at::TensorList list, const Split& split) {
-        return clip_by_tensor_norm_cpu_split(list, split, max_norm, nonfinite);
+        return clip_by_tensor_norm_cpu_split(list, split, max_norm, nonfinite, exact_norms_for(exact));
       },
       [&](const CudaSplitOps& cuda, at::TensorList list, const Split& split) {
         return cuda.clip_by_tensor_norm_(list, split, max_norm, nonfinite);
-      });
+      },
+      exact);
   grads.bump_versions();
   return wrap(std::move(norms));
 }

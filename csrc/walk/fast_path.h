@@ -10,7 +10,9 @@
 #pragma once
 
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
+#include <optional>
 #include <string>
 
 namespace torchclip::walk {
@@ -21,18 +23,21 @@ namespace py = pybind11;
 // torchclip._ops at import.
 void use_cuda_split_ops(py::capsule ops);
 
+// `exact` (the norm-taking entries): the call's exact argument (None: the process-wide setting).
+
 // get_total_norm: the total norm.
-py::object total_norm_of_plain(py::handle tensors, py::handle norm_type, py::handle error_if_nonfinite);
+py::object total_norm_of_plain(py::handle tensors, py::handle norm_type, py::handle error_if_nonfinite,
+    std::optional<bool> exact);
 
 // clip_grad_norm_ and ClipGradByGlobalNorm: the total norm, or with keep_stats (total, per-tensor norms,
 // coefficient) as the op's schema returns them (None also when there is no gradient).
 py::object clip_grad_norm_of_plain(py::handle parameters, py::handle max_norm, py::handle norm_type,
     py::handle error_if_nonfinite, double eps, bool norm_at_least_float32, bool honor_need_clip,
-    const std::string& nonfinite, bool keep_stats);
+    const std::string& nonfinite, bool keep_stats, std::optional<bool> exact);
 
 // ClipGradByNorm: the per-tensor norms (None also when there is no gradient).
 py::object clip_by_tensor_norm_of_plain(py::handle parameters, double max_norm, bool honor_need_clip,
-    const std::string& nonfinite);
+    const std::string& nonfinite, std::optional<bool> exact);
 
 // ClipGradByValue: True when done here, "no gradients" included.
 bool clamp_grads_of_plain(py::handle parameters, double min, double max, bool honor_need_clip);

@@ -44,12 +44,12 @@ from torchclip.clip_base import ClipGradBase
 _COEFFICIENT_EPS = 1e-6
 
 
-def _targets_and_norms(grads: list[Tensor]) -> tuple[list[Tensor], Tensor]:
+def _targets_and_norms(grads: list[Tensor], exact: bool | None = None) -> tuple[list[Tensor], Tensor]:
     """(the tensors to scale, each gradient's L2 norm in float64). DTensor gradients (FSDP2, tensor
     parallelism) are scaled in their local shards, and their norms are the global ones, the same on
     every rank (one all_gather of the local norms), so every rank takes the same decisions."""
     gradients = Gradients(grads)
-    return gradients.local, gradients.tensor_norms()
+    return gradients.local, gradients.tensor_norms(exact=exact)
 
 
 def _scale(grads: list[Tensor], scale: Tensor) -> None:
@@ -271,15 +271,28 @@ class _StatefulClip(_NonfiniteGate, ClipGradBase):
         return False  # the Python walk: ClipGradBase.__call__ then calls clip_gradients_
 
     @staticmethod
-    def _walk_cpu(params, max_norm: float, eps: float, nonfinite: str) -> tuple[Tensor, Tensor] | None:
+    def _walk_cpu(
+        params, max_norm: float, eps: float, nonfinite: str, exact: bool | None
+    ) -> tuple[Tensor, Tensor] | None:
         """clip_grad_norm_'s C++ walk over CPU parameters, need_clip marks honoured: (each gradient's norm,
         the global norm in float64, as _global_norm_of computes it: the walk's total is in the gradients'
-        dtype), or None where the gradients are elsewhere or the walk declines."""
+        dtype), or None where the gradients are elsewhere or the walk declines. Exact norms decline: their
+        float64 total is not the norm of the per-tensor norms, and _global_norm_of's path gives it."""
+        if _ops.exact_norms(exact):
+            return None
         first = next((p.grad for p in params if isinstance(p, Tensor) and p.grad is not None), None)
         if first is None or first.device.type != "cpu":
             return None
         found = _ops.clip_grad_norm_of_plain(
-            params, max_norm, 2.0, False, eps=eps, honor_need_clip=True, nonfinite=nonfinite, keep_stats=True
+            params,
+            max_norm,
+            2.0,
+            False,
+            eps=eps,
+            honor_need_clip=True,
+            nonfinite=nonfinite,
+            keep_stats=True,
+            exact=exact,
         )
         return None if found is None else (found[1], torch.linalg.vector_norm(found[1], 2.0))
 
@@ -297,9 +310,9 @@ class _StatefulClip(_NonfiniteGate, ClipGradBase):
         With a process group every rank calls, gradients or not: the norm is a collective."""
         gradients = Gradients(grads, params, process_group=self.process_group)
         if gradients.route is Route.HAND_SHARDS:
-            return gradients.local, None, gradients.sharded_total_norm(2.0, False)
-        norms = gradients.tensor_norms()
-        return gradients.local, norms, torch.linalg.vector_norm(norms, 2.0)
+            return gradients.local, None, gradients.sharded_total_norm(2.0, False, self.exact)
+        norms, total = gradients.norms(2.0, self.exact)
+        return gradients.local, norms, total
 
     def _rows_of(self, params: list[Tensor], device: torch.device) -> list[int]:
         """Each parameter's row in per-parameter state (see _ParamRows), the state made to fit them."""

@@ -9,6 +9,7 @@ import math
 import torch
 from torch import Tensor
 
+from torchclip import _ops
 from torchclip._arguments import _policy
 from torchclip.adaptive._state import (
     _check_count,
@@ -78,6 +79,8 @@ class ClipGradByNormEMA(_StatefulClip):
         warmup_steps: calls of global clipping first (>= 0).
         lambda_abs: the global norm bound during warm-up (> 0).
         nonfinite: "propagate", "skip" or "raise", as above.
+        exact: exact norms (the true norm rounded once; see `torchclip.ClipGradByNorm`); None: the
+            process-wide setting.
 
     Raises:
         ValueError: a number out of its range; an unknown `nonfinite`.
@@ -96,12 +99,14 @@ class ClipGradByNormEMA(_StatefulClip):
         lambda_abs: float = 1.0,
         *,
         nonfinite: str = "propagate",
+        exact: bool | None = None,
     ):
         self.lambda_rel = _check_positive("lambda_rel", lambda_rel)
         self.beta = _check_fraction("beta", beta, low_open=False, high_open=True)
         self.warmup_steps = _check_count("warmup_steps", warmup_steps, minimum=0)
         self.lambda_abs = _check_positive("lambda_abs", lambda_abs)
         self.nonfinite = _policy(nonfinite)
+        self.exact = _ops.check_exact(exact)
         self.steps = 0
         self.gammas = torch.empty(0, dtype=torch.float64)  # one per parameter, see _ParamRows
         self._rows = _ParamRows()
@@ -111,7 +116,7 @@ class ClipGradByNormEMA(_StatefulClip):
     def clip_gradients_(self, grads, params) -> None:
         if not grads:
             return
-        grads, norms = _targets_and_norms(grads)
+        grads, norms = _targets_and_norms(grads, self.exact)
         device = norms.device
         self.last_norms = norms
         if not self._admits(norms):

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from torchclip import _ops
 from torchclip._arguments import _policy
 from torchclip.adaptive._state import (
     _COEFFICIENT_EPS,
@@ -195,6 +196,8 @@ class ClipGradByQuantile(_NormHistory, _StatefulClip):
         history_length: how many past norms each history keeps (>= 1).
         global_threshold: one history of the global norm (True) or one per parameter (False).
         nonfinite: "propagate", "skip" or "raise", as above.
+        exact: exact norms (the true norm rounded once; see `torchclip.ClipGradByNorm`); None: the
+            process-wide setting.
         process_group: hand-sharded gradients (needs global_threshold=True): every rank takes the
             same global norm (see `torchclip.distributed`).
 
@@ -215,11 +218,13 @@ class ClipGradByQuantile(_NormHistory, _StatefulClip):
         *,
         nonfinite: str = "propagate",
         process_group: ProcessGroup | None = None,
+        exact: bool | None = None,
     ):
         self.quantile = _check_fraction("quantile", quantile, low_open=False, high_open=False)
         self.history_length = _check_count("history_length", history_length)
         self.global_threshold = _check_bool("global_threshold", global_threshold)
         self.nonfinite = _policy(nonfinite)
+        self.exact = _ops.check_exact(exact)
         if process_group is not None and not global_threshold:
             raise ValueError(
                 "ClipGradByQuantile: process_group needs global_threshold=True (a per-parameter history "
@@ -240,7 +245,9 @@ class ClipGradByQuantile(_NormHistory, _StatefulClip):
         threshold = self._host_threshold()
         # "skip": the walk writes nothing for a NaN or inf norm, which only "propagate" scales by, after a first call.
         walk_nonfinite = "propagate" if threshold is not None and self.nonfinite == "propagate" else "skip"
-        found = self._walk_cpu(params, math.inf if threshold is None else threshold, _COEFFICIENT_EPS, walk_nonfinite)
+        found = self._walk_cpu(
+            params, math.inf if threshold is None else threshold, _COEFFICIENT_EPS, walk_nonfinite, self.exact
+        )
         if found is None:
             return False
         self._observe_global_on_host(found[1])
@@ -255,7 +262,7 @@ class ClipGradByQuantile(_NormHistory, _StatefulClip):
                 return self._clip_global_on_host(grads, norm)
             observed = norm.reshape(1)
         else:
-            grads, observed = _targets_and_norms(grads)
+            grads, observed = _targets_and_norms(grads, self.exact)
         self.last_norms = observed[0] if self.global_threshold else observed
         if not self._admits(self.last_norms):
             return

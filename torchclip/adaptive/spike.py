@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from torchclip import _ops
 from torchclip._arguments import _policy
 from torchclip.adaptive._state import _check_count, _check_positive, _check_state, _StatefulClip
 from torchclip.clip_base import ClipGradBase, add_to_count
@@ -44,6 +45,8 @@ class SkipStepOnSpike(_StatefulClip):
         window: how many past global norms are compared (>= 1).
         sigma_factor: how many standard deviations above the mean make a spike (> 0).
         nonfinite: "propagate", "skip" or "raise", as above.
+        exact: exact norms (the true norm rounded once; see `torchclip.ClipGradByNorm`); None: the
+            process-wide setting.
         process_group: hand-sharded gradients: every rank takes the same global norm.
 
     Raises:
@@ -63,6 +66,7 @@ class SkipStepOnSpike(_StatefulClip):
         *,
         nonfinite: str = "propagate",
         process_group: ProcessGroup | None = None,
+        exact: bool | None = None,
     ):
         if clip is not None and not isinstance(clip, ClipGradBase):
             raise TypeError(f"clip must be a torchclip clip (e.g. ClipGradByGlobalNorm) or None, got {clip!r}")
@@ -70,6 +74,7 @@ class SkipStepOnSpike(_StatefulClip):
         self.window = _check_count("window", window)
         self.sigma_factor = _check_positive("sigma_factor", sigma_factor)
         self.nonfinite = _policy(nonfinite)
+        self.exact = _ops.check_exact(exact)
         self.process_group = process_group
         self.history = torch.full((self.window,), math.nan, dtype=torch.float64)
         self.count = 0  # norms seen, on the host

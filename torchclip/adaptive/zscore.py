@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from torchclip import _ops
 from torchclip._arguments import _policy
 from torchclip.adaptive._state import (
     _COEFFICIENT_EPS,
@@ -109,6 +110,8 @@ class ClipGradByZScore(_StatefulClip):
         clip_factor: scales the adaptive threshold (> 0).
         skip_update_on_spike: leave mean and variance as they were on a spike.
         nonfinite: "propagate", "skip" or "raise", as above.
+        exact: exact norms (the true norm rounded once; see `torchclip.ClipGradByNorm`); None: the
+            process-wide setting.
         process_group: hand-sharded gradients: every rank takes the same global norm.
 
     Raises:
@@ -133,6 +136,7 @@ class ClipGradByZScore(_StatefulClip):
         *,
         nonfinite: str = "propagate",
         process_group: ProcessGroup | None = None,
+        exact: bool | None = None,
     ):
         self.alpha = _check_fraction("alpha", alpha, low_open=True, high_open=True)
         self.z_thresh = _check_positive("z_thresh", z_thresh)
@@ -144,6 +148,7 @@ class ClipGradByZScore(_StatefulClip):
         self.clip_factor = _check_positive("clip_factor", clip_factor)
         self.skip_update_on_spike = _check_bool("skip_update_on_spike", skip_update_on_spike)
         self.nonfinite = _policy(nonfinite)
+        self.exact = _ops.check_exact(exact)
         self.process_group = process_group
         self.steps = 0  # calls that clipped gradients, counted on the host
         self.warmup_norms = torch.zeros(self.warmup_steps, dtype=torch.float64)
@@ -158,7 +163,7 @@ class ClipGradByZScore(_StatefulClip):
         for a NaN or inf norm); the rule on the host; the gradients scaled only where it clips."""
         if self.process_group is not None or self.mean.device.type != "cpu":
             return False
-        found = self._walk_cpu(params, math.inf, 0.0, "skip")
+        found = self._walk_cpu(params, math.inf, 0.0, "skip", self.exact)
         if found is None:
             return False
         coefficient = self._observe(*found)
