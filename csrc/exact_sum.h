@@ -259,10 +259,46 @@ class ExactSum {
     // The 64 bits from the leading one down, and whether anything below them is set.
     uint64_t head = 0;
     bool sticky = false;
+    if (fits_128()) {  // (most tensors' sums: their digits as one integer)
+      const unsigned __int128 value = low_128();
+      const int length = top_bit - bottom_ * kDigitBits + 1;
+      const unsigned __int128 aligned = value << (128 - length);
+      head = static_cast<uint64_t>(aligned >> 64);
+      sticky = static_cast<uint64_t>(aligned) != 0;
+    } else {
+      head = head_bits(top_bit, &sticky);
+    }
+    uint64_t mantissa = keep == 0 ? 0 : head >> (64 - keep);
+    const uint64_t dropped = keep == 0 ? head : head << keep;  // the dropped bits, leading at bit 63
+    const bool half = (dropped >> 63) != 0;
+    const bool above_half = (dropped << 1) != 0 || sticky;
+    if (half && (above_half || (mantissa & 1))) {
+      ++mantissa;  // (2^53 after a carry out is still exact as a double)
+    }
+    return std::ldexp(static_cast<double>(mantissa), leading_exponent - keep + 1);
+  }
+
+  // Whether the window's digits make one 128-bit integer (at most four digits).
+  bool fits_128() const { return top_ - bottom_ < 128 / kDigitBits; }
+
+  // The window's digits as one integer (fits_128, carried, non-negative): the sum is it times
+  // 2^(32 bottom_ - kBias).
+  unsigned __int128 low_128() const {
+    unsigned __int128 value = 0;
+    for (int k = top_; k >= bottom_; --k) {
+      value = (value << kDigitBits) | static_cast<uint32_t>(digits_[k]);
+    }
+    return value;
+  }
+
+  // The 64 bits from top_bit down, and whether anything below them is set, bit by bit.
+  uint64_t head_bits(int top_bit, bool* sticky) const {
+    uint64_t head = 0;
     for (int bit = top_bit, filled = 0; filled < 64; ++filled, --bit) {
       head = (head << 1) | (bit >= 0 ? bit_at(bit) : 0);
     }
-    for (int k = bottom_; k <= top_ && !sticky; ++k) {
+    *sticky = false;
+    for (int k = bottom_; k <= top_ && !*sticky; ++k) {
       const int lowest_kept = top_bit - 63;
       const int digit_low = k * kDigitBits;
       if (digit_low >= lowest_kept) {
@@ -273,16 +309,9 @@ class ExactSum {
       if (bits_below < kDigitBits) {
         digit &= (uint64_t{1} << bits_below) - 1;
       }
-      sticky = digit != 0;
+      *sticky = digit != 0;
     }
-    uint64_t mantissa = keep == 0 ? 0 : head >> (64 - keep);
-    const uint64_t dropped = keep == 0 ? head : head << keep;  // the dropped bits, leading at bit 63
-    const bool half = (dropped >> 63) != 0;
-    const bool above_half = (dropped << 1) != 0 || sticky;
-    if (half && (above_half || (mantissa & 1))) {
-      ++mantissa;  // (2^53 after a carry out is still exact as a double)
-    }
-    return std::ldexp(static_cast<double>(mantissa), leading_exponent - keep + 1);
+    return head;
   }
 
   uint64_t bit_at(int bit) const {
@@ -299,6 +328,9 @@ class ExactSum {
     const uint64_t mantissa = split(low, &exponent);
     // m = (2 * mantissa + 1) * 2^(exponent - 1): a 54-bit integer times a power of two, squared exactly.
     const unsigned __int128 m = (static_cast<unsigned __int128>(mantissa) << 1) | 1;
+    if (fits_128()) {
+      return compare_128(low_128(), bottom_ * kDigitBits - kBias, m * m, 2 * (exponent - 1));
+    }
     ExactSum difference = *this;
     difference.add_scaled(m * m, 2 * (exponent - 1), true);
     difference.propagate_carries();
@@ -306,6 +338,29 @@ class ExactSum {
       return 0;
     }
     return difference.top_ == kDigits - 1 && difference.digits_[kDigits - 1] < 0 ? -1 : 1;
+  }
+
+  // The sign of a * 2^ea - b * 2^eb (b > 0, below 2^108): by where their leading bits fall, then aligned.
+  static int compare_128(unsigned __int128 a, int ea, unsigned __int128 b, int eb) {
+    if (a == 0) {
+      return -1;
+    }
+    const int length_a = bit_length(a), length_b = bit_length(b);
+    if (length_a + ea != length_b + eb) {
+      return length_a + ea > length_b + eb ? 1 : -1;
+    }
+    // Leading bits level: the one with the larger exponent shifts up to the other's, within 128 bits.
+    if (ea >= eb) {
+      a <<= ea - eb;
+    } else {
+      b <<= eb - ea;
+    }
+    return a > b ? 1 : (a < b ? -1 : 0);
+  }
+
+  static int bit_length(unsigned __int128 v) {
+    const uint64_t high = static_cast<uint64_t>(v >> 64), low = static_cast<uint64_t>(v);
+    return high != 0 ? 128 - __builtin_clzll(high) : (low != 0 ? 64 - __builtin_clzll(low) : 0);
   }
 
   int64_t digits_[kDigits];          // (only [bottom_, top_] is ever read; the rest is not initialised)

@@ -46,8 +46,8 @@ inline const auto& clip_by_tensor_norm_() {
 }
 
 inline const auto& unitwise_clip_() {
-  static const auto op =
-      find<void(at::TensorList, at::TensorList, double, double, double)>("torchclip::unitwise_clip_");
+  static const auto op = find<void(at::TensorList, at::TensorList, double, double, double, std::optional<bool>)>(
+      "torchclip::unitwise_clip_");
   return op;
 }
 

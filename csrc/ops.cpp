@@ -38,8 +38,11 @@ TORCH_LIBRARY(torchclip, m) {
   // Adaptive gradient clipping (AGC, NFNets), unit-wise: for each output unit u of grads[i] (a row of
   // the first dimension; the whole tensor when it has at most one), with the same unit of params[i],
   // max = max(||param_u||, eps) * clip_factor, and grad_u *= max / max(||grad_u||, 1e-6) unless
-  // ||grad_u|| < max (timm's adaptive_clip_grad). Norms of order norm_type > 0, in float64.
-  m.def("unitwise_clip_(Tensor(a!)[] grads, Tensor[] params, float clip_factor, float eps, float norm_type) -> ()");
+  // ||grad_u|| < max (timm's adaptive_clip_grad). Norms of order norm_type > 0, in float64; exact (orders 1
+  // and 2) as multi_tensor_norm's.
+  m.def(
+      "unitwise_clip_(Tensor(a!)[] grads, Tensor[] params, float clip_factor, float eps, float norm_type, "
+      "bool? exact=None) -> ()");
   // One step of torch.optim.Adam (AdamW with decoupled_weight_decay) with torch's fused CPU arithmetic,
   // state_steps counted up by one first, each gradient divided by grad_scale as it is read and never
   // written (torch's fused kernel writes the quotient back); found_inf == 1 leaves everything as it

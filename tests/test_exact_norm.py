@@ -368,6 +368,7 @@ def test_exact_is_taken_per_call_whatever_the_process_setting(cpu_capability, or
         lambda params: torchclip.grad_norm(_module_of(params), 2, exact=1),
         lambda params: torchclip.clip_by_global_norm([p.grad for p in params], 0.1, exact=1),
         lambda params: torchclip.distributed.global_norms(params, exact=1),
+        lambda params: torchclip.ClipGradByUnitwiseNorm(exact="no"),
     ],
     ids=[
         "clip_grad_norm_",
@@ -378,6 +379,7 @@ def test_exact_is_taken_per_call_whatever_the_process_setting(cpu_capability, or
         "grad_norm",
         "tf",
         "dist",
+        "AGC",
     ],
 )
 def test_a_bad_exact_is_named_and_changes_nothing(cpu_capability, call):
@@ -424,3 +426,48 @@ def test_cuda_refuses_exact_true_and_changes_nothing():
         with pytest.raises(ValueError, match="exact=True, but exact norms are taken of CPU tensors only"):
             call()
         assert torch.equal(params[0].grad, torch.full((1000,), 3.0, device="cuda"))
+
+
+def test_a_complex_1_norm_keeps_float64_for_the_total(cpu_capability):
+    # |z| is not an exact sum of exact terms: the total then comes from the per-tensor norms, so those
+    # are computed even where the caller wants the total alone.
+    z = torch.complex(make_tensor((500,), torch.float64, seed=1), make_tensor((500,), torch.float64, seed=2))
+    x = make_tensor((3000,), torch.float64, seed=3)
+    expected = z.abs().sum().item() + x.abs().sum().item()
+    for call in (
+        lambda: torchclip.get_total_norm([z, x], 1.0, exact=True),
+        lambda: _ops.multi_tensor_norm([z, x], 1.0, exact=True)[0],
+    ):
+        assert call().item() == pytest.approx(expected, rel=1e-13)
+
+
+def test_agc_unit_norms_are_exact(cpu_capability):
+    """ClipGradByUnitwiseNorm(exact=True): each unit's norm is the true norm rounded once (the factor, and
+    so the clipped gradient, follow from it as timm's rule says), for a contiguous pair and a pair ATen
+    serves (a transposed view)."""
+    weights = [
+        make_tensor((64, 50), torch.float64, seed=1, scale=0.05),
+        make_tensor((30, 40), torch.float64, seed=2).t(),
+    ]
+    grads = [make_tensor((64, 50), torch.float64, seed=3), make_tensor((30, 40), torch.float64, seed=4).t()]
+    clip_factor, eps = 0.01, 1e-3
+    for norm_type in ORDERS:
+        params = [torch.nn.Parameter(w.clone()) for w in weights]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        torchclip.ClipGradByUnitwiseNorm(clip_factor, eps, norm_type, exact=True)(params)
+        for p, w, g in zip(params, weights, grads):
+            expected = g.clone()
+            for u in range(g.shape[0]):
+                max_norm = max(exact_norm([w[u]], norm_type), eps) * clip_factor
+                grad_norm = exact_norm([g[u]], norm_type)
+                if not grad_norm < max_norm:
+                    expected[u] *= max_norm / max(grad_norm, 1e-6)
+            assert torch.equal(p.grad, expected), norm_type
+
+
+def test_agc_refuses_exact_where_its_norms_are_not_exact(cpu_capability):
+    grad = torch.full((4, 3), 5.0, requires_grad=True)  # autograd tracks it: torch's ops would take it
+    with pytest.raises(ValueError, match="exact=True: unit norms are taken exactly of plain CPU tensors"):
+        torchclip.ClipGradByUnitwiseNorm(exact=True).clip_gradients_([grad], [torch.ones(4, 3)])
+    assert torch.equal(grad.detach(), torch.full((4, 3), 5.0))

@@ -295,14 +295,19 @@ def _clip_by_tensor_norm_fake(tensors, max_norm, nonfinite="propagate", exact=No
 
 
 def unitwise_clip_(
-    grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor], clip_factor: float, eps: float, norm_type: float
+    grads: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    clip_factor: float,
+    eps: float,
+    norm_type: float,
+    exact: bool | None = None,
 ) -> None:
     """Adaptive gradient clipping, unit-wise (each output unit's gradient norm against its weight's)."""
-    _ops.unitwise_clip_(grads, params, float(clip_factor), float(eps), float(norm_type))
+    _ops.unitwise_clip_(grads, params, float(clip_factor), float(eps), float(norm_type), exact)
 
 
 @torch.library.register_fake("torchclip::unitwise_clip_")
-def _unitwise_clip_fake(grads, params, clip_factor, eps, norm_type):
+def _unitwise_clip_fake(grads, params, clip_factor, eps, norm_type, exact=None):
     return None
 
 

@@ -9,7 +9,9 @@
 // the block's smallest non-zero magnitude tells (a term's last bit is no lower than its own). Blocks that
 // fail it (a term below about 2^-40 times the largest, for p = 2) split each term over more quanta, one
 // level per 43 bits; float64 data is added term by term (its squares are 106-bit products).
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -120,49 +122,93 @@ void add_levels(const T* x, int64_t vectors, int top, int levels, ExactPartial& 
   add_sums(sums, levels + 1, out);
 }
 
-// add_levels with one level, the common case, its sums in registers. For p = 2 each use of a square is
-// written out, so that FMA contraction can fuse it (exact either way: the square is).
+// add_levels with one level, the common case, in four operations per term: each lane's quanta are
+// summed in a running sum biased by 2^(52 + k), k = top - 43, whose last bit weighs the quantum 2^k:
+// adding a term rounds it to a multiple of 2^k, and the sum's step is that multiple, exactly. A lane
+// adds at most 256 terms below 2^top = 2^(k + 43), so it stays below 2^(53 + k), in one binade. For
+// p = 2 each use of a square is written out for FMA contraction (exact either way: the square is).
 template <NormKind kKind, typename T>
 void add_one_level(const T* x, int64_t vectors, int top, ExactPartial& out) {
-  const f64v rounder = splat<f64v>(std::ldexp(1.5, top - kQuantumBits + 52));
-  f64v quanta_low{}, quanta_high{}, rest_low{}, rest_high{};
+  const f64v bias = splat<f64v>(std::ldexp(1.0, top - kQuantumBits + 52));
+  f64v sum_low = bias, sum_high = bias, rest_low{}, rest_high{};
   for (int64_t i = 0; i < vectors; i += kBlock) {
     f64v low, high;
     halves_of<kKind>(load_f32(x + i), low, high);
     if constexpr (kKind == NormKind::Two) {
-      const f64v q_low = (low * low + rounder) - rounder, q_high = (high * high + rounder) - rounder;
-      quanta_low += q_low;
-      quanta_high += q_high;
-      rest_low += low * low - q_low;
-      rest_high += high * high - q_high;
+      const f64v next_low = low * low + sum_low, next_high = high * high + sum_high;
+      rest_low += low * low - (next_low - sum_low);
+      rest_high += high * high - (next_high - sum_high);
+      sum_low = next_low;
+      sum_high = next_high;
     } else {
-      const f64v q_low = (low + rounder) - rounder, q_high = (high + rounder) - rounder;
-      quanta_low += q_low;
-      quanta_high += q_high;
-      rest_low += low - q_low;
-      rest_high += high - q_high;
+      const f64v next_low = low + sum_low, next_high = high + sum_high;
+      rest_low += low - (next_low - sum_low);
+      rest_high += high - (next_high - sum_high);
+      sum_low = next_low;
+      sum_high = next_high;
     }
   }
-  const f64v sums[2] = {quanta_low + quanta_high, rest_low + rest_high};
+  const f64v sums[2] = {(sum_low - bias) + (sum_high - bias), rest_low + rest_high};
   add_sums(sums, 2, out);
+}
+
+// A block's largest magnitude (NaN where it holds a NaN) and smallest non-zero one (inf where none).
+struct MagnitudeBounds {
+  double largest;
+  double smallest;
+};
+
+// The storage type's bits for magnitudes: magnitudes order as these unsigned integers (a NaN above inf).
+template <typename T>
+using StorageBits = std::conditional_t<sizeof(T) == 2, uint16_t, uint32_t>;
+
+template <typename T>
+double from_bits(StorageBits<T> bits) {
+  T value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return static_cast<double>(static_cast<float>(value));
+}
+
+// magnitude_bounds over n elements, on the bit patterns in full-width vectors of the storage type (32
+// 16-bit lanes with AVX-512: no conversion to float32, half the work of the float32 lanes per element);
+// bits - 1 sends a zero to the top, out of the minimum's way.
+template <typename T>
+MagnitudeBounds magnitude_bounds(const T* x, int64_t n) {
+  using Bits = StorageBits<T>;
+  typedef Bits BitsV __attribute__((vector_size(kVectorBytes)));
+  constexpr int64_t kLanes = kVectorBytes / sizeof(Bits);
+  constexpr Bits kAllOnes = std::numeric_limits<Bits>::max(), kSignless = kAllOnes >> 1;
+  BitsV max_bits{}, min_less_one = splat<BitsV>(kAllOnes);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    BitsV bits;
+    std::memcpy(&bits, x + i, sizeof(bits));
+    bits &= kSignless;
+    max_bits = max_bits > bits ? max_bits : bits;
+    const BitsV less_one = bits - splat<BitsV>(1);
+    min_less_one = min_less_one < less_one ? min_less_one : less_one;
+  }
+  Bits largest = 0, smallest_less_one = kAllOnes;
+  for (int64_t lane = 0; lane < kLanes; ++lane) {
+    largest = std::max<Bits>(largest, max_bits[lane]);
+    smallest_less_one = std::min<Bits>(smallest_less_one, min_less_one[lane]);
+  }
+  for (; i < n; ++i) {
+    Bits bits;
+    std::memcpy(&bits, x + i, sizeof(bits));
+    bits &= kSignless;
+    largest = std::max(largest, bits);
+    smallest_less_one = std::min(smallest_less_one, static_cast<Bits>(bits - 1));
+  }
+  const Bits smallest = static_cast<Bits>(smallest_less_one + 1);  // 0 when every value is 0
+  return {from_bits<T>(largest), smallest == 0 ? std::numeric_limits<double>::infinity() : from_bits<T>(smallest)};
 }
 
 // One block (n <= kExactBlock elements of a 16/32-bit type) into `out`.
 template <NormKind kKind, typename T>
 void add_block(const T* x, int64_t n, ExactPartial& out) {
   const int64_t vectors = n / kBlock * kBlock;
-  const f32v infinity = splat<f32v>(std::numeric_limits<float>::infinity());
-  f32v max_abs{}, min_nonzero = infinity;
-  for (int64_t i = 0; i < vectors; i += kBlock) {
-    const f32v v = abs(load_f32(x + i));
-    max_abs = max_ignoring_nan(max_abs, v);
-    min_nonzero = min_ignoring_nan(min_nonzero, v == f32v{} ? infinity : v);
-  }
-  double largest = 0.0, smallest = std::numeric_limits<double>::infinity();
-  for (int i = 0; i < kBlock; ++i) {
-    largest = max_abs[i] > largest ? max_abs[i] : largest;
-    smallest = min_nonzero[i] < smallest ? min_nonzero[i] : smallest;
-  }
+  const auto [largest, smallest] = magnitude_bounds(x, vectors);
   int levels = 1, top = 0;
   if (largest > 0.0 && largest <= std::numeric_limits<float>::max()) {
     int low_exponent;
@@ -176,7 +222,7 @@ void add_block(const T* x, int64_t n, ExactPartial& out) {
     }
   }
   if (!(largest <= std::numeric_limits<float>::max()) || levels == kMaxLevels) {
-    add_terms<kKind>(x, vectors, out);  // an inf or NaN (a NaN the max let through is caught by the sums)
+    add_terms<kKind>(x, vectors, out);  // an inf or NaN
   } else if (largest > 0.0) {
     if (levels == 1) {
       add_one_level<kKind>(x, vectors, top, out);
@@ -244,7 +290,9 @@ void exact_norms(const TensorSpan* spans, int64_t count, NormKind kind, double* 
       pieces[slot_of_piece[piece.index]] = partial;
       return;
     }
-    norms[piece.tensor] = rounded_norm(partial, kind);
+    if (norms != nullptr) {
+      norms[piece.tensor] = rounded_norm(partial, kind);
+    }
     per_thread[at::get_thread_num()].add(partial);
   });
   ExactPartial all;
@@ -259,11 +307,13 @@ void exact_norms(const TensorSpan* spans, int64_t count, NormKind kind, double* 
     }
     whole.add(pieces[slot]);
     if (chunk.end == spans[chunk.first_tensor].numel) {
-      norms[chunk.first_tensor] = rounded_norm(whole, kind);
+      if (norms != nullptr) {
+        norms[chunk.first_tensor] = rounded_norm(whole, kind);
+      }
       all.add(whole);
     }
   }
-  for (int64_t i = 0; i < count; ++i) {
+  for (int64_t i = 0; i < count && norms != nullptr; ++i) {
     if (spans[i].numel == 0) {
       norms[i] = 0.0;
     }

@@ -14,8 +14,9 @@
 
 namespace torchclip::cpu {
 
-// Bumped whenever a struct below changes layout, so a stale kernel library is refused, not misread.
-constexpr int32_t kKernelAbiVersion = 4;
+// Bumped whenever a struct below changes layout or a kernel's contract, so a stale kernel library is
+// refused, not misread.
+constexpr int32_t kKernelAbiVersion = 5;
 
 // A dense, non-overlapping run of `numel` elements: either a contiguous tensor or any tensor whose
 // strides are a permutation of contiguous ones. Element order does not matter to any kernel here
@@ -43,7 +44,8 @@ struct KernelTable {
 
   // The exact norms, kind One or Two: norms[i] = spans[i]'s norm correctly rounded to float64 (NaN where
   // it holds a NaN, else inf where it holds an inf), *total = the exact sum of every span's |x| or x^2, and
-  // *total_flags = 1 if a NaN was met, | 2 if an inf was.
+  // *total_flags = 1 if a NaN was met, | 2 if an inf was. norms may be null: the total alone (each
+  // tensor's root, checked exactly, is most of a small tensor's cost).
   void (*exact_norms)(const TensorSpan* spans, int64_t count, NormKind kind, double* norms, ExactSum* total,
       int32_t* total_flags);
 

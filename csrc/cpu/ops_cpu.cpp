@@ -133,8 +133,9 @@ double exact_norm_of(const ExactSum& sum, int32_t flags, NormKind kind) {
 }
 
 // Exact norms (p = 1, 2): the kernels' exact sums over every tensor. A list holding an inexact tensor
-// keeps float64 arithmetic for the total.
-WideNorms exact_norms_wide(at::TensorList tensors, const Split& split, double ord) {
+// keeps float64 arithmetic for the total. Without per_tensor, only the total is wanted: the per-tensor
+// norms are left 0 where the total does not need them.
+WideNorms exact_norms_wide(at::TensorList tensors, const Split& split, double ord, bool per_tensor) {
   const NormKind kind = exact_kind(ord);
   const ExactInput input = exact_input(tensors, split, kind);
   WideNorms out{std::vector<double>(tensors.size()), std::nullopt};
@@ -144,8 +145,9 @@ WideNorms exact_norms_wide(at::TensorList tensors, const Split& split, double or
   std::vector<double> span_norms(input.spans.size());
   ExactSum total;
   int32_t flags = 0;
-  cpu_kernels().exact_norms(input.spans.data(), static_cast<int64_t>(input.spans.size()), kind, span_norms.data(),
-      &total, &flags);
+  const bool norms_needed = per_tensor || !input.inexact.empty();
+  cpu_kernels().exact_norms(input.spans.data(), static_cast<int64_t>(input.spans.size()), kind,
+      norms_needed ? span_norms.data() : nullptr, &total, &flags);
   for (size_t k = 0; k < input.spans.size(); ++k) {
     out.norms[input.sources[k]] = span_norms[k];
   }
@@ -155,11 +157,13 @@ WideNorms exact_norms_wide(at::TensorList tensors, const Split& split, double or
   return out;
 }
 
-// Per-tensor norms in float64: kernels for the spans, ATen (in float64) for the rest.
-WideNorms tensor_norms_wide(at::TensorList tensors, const Split& split, double ord, const char* op, bool exact) {
+// Per-tensor norms in float64: kernels for the spans, ATen (in float64) for the rest. per_tensor = false:
+// the caller wants the total alone (exact norms then skip each tensor's correctly rounded root).
+WideNorms tensor_norms_wide(at::TensorList tensors, const Split& split, double ord, const char* op, bool exact,
+    bool per_tensor = true) {
   check_norm_inputs(tensors, split.aten_path, ord, op);
   if (exact && (ord == 1.0 || ord == 2.0)) {
-    return exact_norms_wide(tensors, split, ord);
+    return exact_norms_wide(tensors, split, ord, per_tensor);
   }
   std::vector<double> norms(tensors.size());
   if (!split.spans.empty()) {
@@ -261,7 +265,7 @@ at::Tensor total_of_norms(const WideNorms& norms, const Split& split, double ord
 
 at::Tensor total_norm_cpu_split(at::TensorList tensors, const Split& split, double ord, bool error_if_nonfinite,
     bool exact) {
-  return total_of_norms(tensor_norms_wide(tensors, split, ord, "torchclip.multi_tensor_norm", exact), split, ord,
+  return total_of_norms(tensor_norms_wide(tensors, split, ord, "torchclip.multi_tensor_norm", exact, false), split, ord,
       error_if_nonfinite);
 }
 
@@ -291,11 +295,10 @@ at::Tensor exact_sums_cpu(at::TensorList tensors, double ord, bool per_tensor) {
     columns[1] = (flags >> 1) & 1;
     sum.to_digits(columns + 2);
   };
-  std::vector<double> norms(input.spans.size());
   if (!per_tensor) {
     ExactSum total;
     int32_t flags = 0;
-    cpu_kernels().exact_norms(input.spans.data(), static_cast<int64_t>(input.spans.size()), kind, norms.data(), &total,
+    cpu_kernels().exact_norms(input.spans.data(), static_cast<int64_t>(input.spans.size()), kind, nullptr, &total,
         &flags);
     write_row(0, total, flags);
     return out;
@@ -303,7 +306,7 @@ at::Tensor exact_sums_cpu(at::TensorList tensors, double ord, bool per_tensor) {
   for (size_t k = 0; k < input.spans.size(); ++k) {  // one call per tensor: each row its own sum
     ExactSum sum;
     int32_t flags = 0;
-    cpu_kernels().exact_norms(&input.spans[k], 1, kind, &norms[k], &sum, &flags);
+    cpu_kernels().exact_norms(&input.spans[k], 1, kind, nullptr, &sum, &flags);
     write_row(input.sources[k], sum, flags);
   }
   return out;
@@ -351,7 +354,7 @@ at::Tensor clip_grad_norm_cpu_split(at::TensorList grads, const Split& split, do
   constexpr const char* op = "torchclip.clip_grad_norm_";
   const NonFinite policy = parse_nonfinite(nonfinite, op);
   check_writable(grads, split.aten_path, op);
-  const WideNorms wide = tensor_norms_wide(grads, split, norm_type, op, exact);
+  const WideNorms wide = tensor_norms_wide(grads, split, norm_type, op, exact, stats != nullptr);
   const std::vector<double>& norms = wide.norms;
   const double total = total_of(wide, norm_type);
   check_finite_total(total, norm_type, error_if_nonfinite || policy == NonFinite::Raise);
@@ -506,7 +509,55 @@ void add_unit_spans(const at::Tensor& t, DType dtype, std::vector<cpu::TensorSpa
   }
 }
 
-void unitwise_clip_cpu(at::TensorList grads, at::TensorList params, double clip_factor, double eps, double norm_type) {
+// AGC with exact unit norms (orders 1 and 2): each unit's norm the true norm rounded once, the factors
+// as the fused kernel computes them, each clipped unit scaled as it scales. ATen's pairs (views with
+// gaps) are read through dense copies and scaled by ATen.
+void unitwise_clip_exact(at::TensorList grads, at::TensorList params, const std::vector<int64_t>& kernel_pairs,
+    const std::vector<int64_t>& aten_pairs, double clip_factor, double eps, double norm_type) {
+  std::vector<at::Tensor> dense;  // (kept alive while the kernels read them)
+  std::vector<cpu::TensorSpan> weight_units, grad_units;
+  for (int64_t i : kernel_pairs) {
+    add_unit_spans(params[i], *kernel_dtype(params[i]), weight_units);
+    add_unit_spans(grads[i], *kernel_dtype(grads[i]), grad_units);
+  }
+  const size_t kernel_units = grad_units.size();
+  for (int64_t i : aten_pairs) {
+    for (const at::Tensor* t : {&params[i], &grads[i]}) {
+      dense.push_back(t->resolve_neg().contiguous());
+      add_unit_spans(dense.back(), *kernel_dtype(dense.back()), t == &params[i] ? weight_units : grad_units);
+    }
+  }
+  const int64_t units = static_cast<int64_t>(grad_units.size());
+  std::vector<double> weight_norms(units), grad_norms(units), factors(units);
+  ExactSum unused;
+  int32_t flags = 0;
+  const NormKind kind = exact_kind(norm_type);
+  cpu_kernels().exact_norms(weight_units.data(), units, kind, weight_norms.data(), &unused, &flags);
+  cpu_kernels().exact_norms(grad_units.data(), units, kind, grad_norms.data(), &unused, &flags);
+  for (int64_t u = 0; u < units; ++u) {
+    // std::max keeps a NaN first argument, as the fused kernel and torch's clamp: NaN norms propagate.
+    const double max_norm = std::max(weight_norms[u], eps) * clip_factor;
+    factors[u] = grad_norms[u] < max_norm ? 1.0 : max_norm / std::max(grad_norms[u], 1e-6);
+  }
+  if (kernel_units > 0) {
+    cpu_kernels().scale(grad_units.data(), static_cast<int64_t>(kernel_units), factors.data());
+  }
+  size_t next = kernel_units;
+  for (int64_t i : aten_pairs) {
+    const at::Tensor& g = grads[i];
+    const int64_t count = unit_count(g);
+    at::Tensor unit_factors =
+        float64_vector(std::vector<double>(factors.begin() + next, factors.begin() + next + count));
+    next += count;
+    std::vector<int64_t> shape(std::max<int64_t>(g.dim(), 1), 1);
+    shape[0] = count;
+    unit_factors = unit_factors.to(g.scalar_type() == at::kDouble ? at::kDouble : at::kFloat).reshape(shape);
+    g.mul_(g.dim() == 0 ? unit_factors.reshape({}) : unit_factors);
+  }
+}
+
+void unitwise_clip_cpu(at::TensorList grads, at::TensorList params, double clip_factor, double eps, double norm_type,
+    std::optional<bool> exact) {
   constexpr const char* op = "torchclip.unitwise_clip_";
   TORCH_CHECK(grads.size() == params.size(), op, ": got ", grads.size(), " gradients and ", params.size(),
       " parameters; they come in pairs");
@@ -538,8 +589,12 @@ void unitwise_clip_cpu(at::TensorList grads, at::TensorList params, double clip_
   }
   if (tensors_may_overlap(grads)) {  // each pair as a loop over the list clips it, after the ones before
     for (size_t i = 0; i < grads.size(); ++i) {
-      unitwise_clip_cpu(grads.slice(i, 1), params.slice(i, 1), clip_factor, eps, norm_type);
+      unitwise_clip_cpu(grads.slice(i, 1), params.slice(i, 1), clip_factor, eps, norm_type, exact);
     }
+    return;
+  }
+  if (exact_norms_for(exact) && (norm_type == 1.0 || norm_type == 2.0)) {
+    unitwise_clip_exact(grads, params, kernel_pairs, aten_pairs, clip_factor, eps, norm_type);
     return;
   }
   std::vector<cpu::TensorSpan> weight_units, grad_units;

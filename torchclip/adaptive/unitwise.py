@@ -40,9 +40,12 @@ class ClipGradByUnitwiseNorm(_NonfiniteGate, ClipGradBase):
         eps: the smallest weight norm a unit is given (>= 0), so zero-initialised units still learn.
         norm_type: the norm's order p (> 0, inf allowed).
         nonfinite: "propagate", "skip" or "raise", as above.
+        exact: each unit's norm (orders 1 and 2) the true norm rounded once; None: the process-wide
+            setting (`torchclip.set_exact_norm`). True needs plain CPU tensors.
 
     Raises:
-        ValueError: a number out of its range; an unknown `nonfinite`.
+        ValueError: a number out of its range; an unknown `nonfinite`; exact=True for gradients that are
+            not plain CPU tensors (raised when clipping, before any change).
         TypeError: an argument of the wrong type.
 
     Example:
@@ -52,7 +55,13 @@ class ClipGradByUnitwiseNorm(_NonfiniteGate, ClipGradBase):
     """
 
     def __init__(
-        self, clip_factor: float = 0.01, eps: float = 1e-3, norm_type: float = 2.0, *, nonfinite: str = "propagate"
+        self,
+        clip_factor: float = 0.01,
+        eps: float = 1e-3,
+        norm_type: float = 2.0,
+        *,
+        nonfinite: str = "propagate",
+        exact: bool | None = None,
     ):
         self.clip_factor = _check_positive("clip_factor", clip_factor)
         self.eps = _check_positive("eps", eps, allow_zero=True)
@@ -62,15 +71,22 @@ class ClipGradByUnitwiseNorm(_NonfiniteGate, ClipGradBase):
             raise ValueError(f"norm_type must be > 0 (inf allowed), got {norm_type!r}")
         self.norm_type = float(norm_type)
         self.nonfinite = _policy(nonfinite)
+        self.exact = _ops.check_exact(exact)
 
     def clip_gradients_(self, grads, params) -> None:  # (no C++ walk: the fused op runs on the lists)
         if not grads:
             return
         params = [p.detach() for p in params]
-        if self.nonfinite != "propagate" and not self._admits(_targets_and_norms(grads)[1]):
+        on_kernels = all(Gradients(tensors, devices=("cpu",)).route is Route.KERNELS for tensors in (grads, params))
+        if self.exact and self.norm_type in (1.0, 2.0) and not on_kernels:
+            raise ValueError(
+                "ClipGradByUnitwiseNorm: exact=True: unit norms are taken exactly of plain CPU tensors only so "
+                f"far; got {sorted({f'{type(g).__name__} on {g.device}' for g in grads})}"
+            )
+        if self.nonfinite != "propagate" and not self._admits(_targets_and_norms(grads, self.exact)[1]):
             return
-        if all(Gradients(tensors, devices=("cpu",)).route is Route.KERNELS for tensors in (grads, params)):
-            _ops.unitwise_clip_(grads, params, self.clip_factor, self.eps, self.norm_type)
+        if on_kernels:
+            _ops.unitwise_clip_(grads, params, self.clip_factor, self.eps, self.norm_type, self.exact)
             return
         for p, g in zip(params, grads):
             if g.shape != p.shape:
