@@ -1,6 +1,7 @@
 // An exact sum of float64 values and of exact squares, and its correctly rounded value and square root:
 // the norm as a function of the gradients alone, whatever the order, the threads or the pieces it was
-// summed in. Plain C++ (no ATen), so the per-ISA kernel libraries, the ops and nvcc's host code share it.
+// summed in. Plain C++ (no ATen), so the per-ISA kernel libraries, the ops and the CUDA kernels (host and
+// device code: nvcc sees every member as __host__ __device__) share it.
 //
 // The sum is a fixed-point number of kDigits base-2^32 digits: bit i weighs 2^(i - kBias), from 2^-2176
 // (below the square of float64's smallest subnormal, 2^-2148) to 2^2176 (above the largest square,
@@ -10,12 +11,29 @@
 // few digits, not the whole 1.1 KB.
 #pragma once
 
-#include <cmath>
+#include <math.h>
+
 #include <cstdint>
 #include <cstring>
-#include <limits>
+
+#if defined(__CUDACC__)
+#define TORCHCLIP_HOST_DEVICE __host__ __device__
+#else
+#define TORCHCLIP_HOST_DEVICE
+#endif
 
 namespace torchclip {
+
+namespace exact_sum_detail {
+// The leading zeros of a non-zero 64-bit value, on the host and on the device.
+TORCHCLIP_HOST_DEVICE inline int leading_zeros(uint64_t v) {
+#if defined(__CUDA_ARCH__)
+  return __clzll(static_cast<long long>(v));
+#else
+  return __builtin_clzll(v);
+#endif
+}
+}  // namespace exact_sum_detail
 
 class ExactSum {
  public:
@@ -23,45 +41,41 @@ class ExactSum {
   static constexpr int kDigits = 136;
   static constexpr int kBias = 2176;  // bit 0 weighs 2^-kBias; kDigits * 32 = 2 * kBias: 2^0 in the middle
 
-  ExactSum() = default;
-  ExactSum(const ExactSum& other) { *this = other; }
-  ExactSum& operator=(const ExactSum& other) {
+  TORCHCLIP_HOST_DEVICE ExactSum() = default;
+  TORCHCLIP_HOST_DEVICE ExactSum(const ExactSum& other) { *this = other; }
+  TORCHCLIP_HOST_DEVICE ExactSum& operator=(const ExactSum& other) {
     bottom_ = other.bottom_;
     top_ = other.top_;
     pending_ = other.pending_;
     if (top_ >= bottom_) {
-      std::memcpy(digits_ + bottom_, other.digits_ + bottom_, sizeof(int64_t) * (top_ - bottom_ + 1));
+      memcpy(digits_ + bottom_, other.digits_ + bottom_, sizeof(int64_t) * (top_ - bottom_ + 1));
     }
     return *this;
   }
 
   // += v, exactly; v finite.
-  void add(double v) {
+  TORCHCLIP_HOST_DEVICE void add(double v) {
     int exponent;
     const uint64_t mantissa = split(v, &exponent);
-    add_scaled(mantissa, exponent, std::signbit(v));
+    add_scaled(mantissa, exponent, v < 0.0);
   }
 
   // += v * v, exactly (106-bit integer product); v finite.
-  void add_square(double v) {
+  TORCHCLIP_HOST_DEVICE void add_square(double v) {
     int exponent;
     const unsigned __int128 mantissa = split(v, &exponent);
     add_scaled(mantissa * mantissa, 2 * exponent, false);
   }
 
   // += (negative ? -1 : 1) * mantissa * 2^exponent, exactly; mantissa < 2^110, exponent >= -kBias.
-  void add_scaled(unsigned __int128 mantissa, int exponent, bool negative) {
+  TORCHCLIP_HOST_DEVICE void add_scaled(unsigned __int128 mantissa, int exponent, bool negative) {
     if (mantissa == 0) {
       return;
     }
-    const int position = exponent + kBias;
-    const int digit = position / kDigitBits, shift = position % kDigitBits;
-    const unsigned __int128 low = mantissa << shift;  // (bits shifted out of 128 go to `high`)
-    const uint64_t high = shift == 0 ? 0 : static_cast<uint64_t>(mantissa >> (128 - shift));
-    const uint64_t parts[5] = {static_cast<uint32_t>(low), static_cast<uint32_t>(low >> 32),
-        static_cast<uint32_t>(low >> 64), static_cast<uint32_t>(low >> 96), high};
-    widen(digit, digit + 4);
-    for (int k = 0; k < 5 && digit + k < kDigits; ++k) {
+    uint64_t parts[kParts];
+    const int digit = digit_parts(mantissa, exponent, parts);
+    widen(digit, digit + kParts - 1);
+    for (int k = 0; k < kParts && digit + k < kDigits; ++k) {
       const int64_t part = static_cast<int64_t>(parts[k]);
       digits_[digit + k] += negative ? -part : part;
     }
@@ -70,7 +84,33 @@ class ExactSum {
     }
   }
 
-  void add(const ExactSum& other) {
+  // mantissa * 2^exponent (mantissa < 2^110, exponent >= -kBias) as kParts values below 2^32 (the last
+  // below 2^46) to add to digits first, first + 1, ...; returns first. What add_scaled adds, for callers
+  // that add into digits of their own (the CUDA kernels' atomics).
+  static constexpr int kParts = 5;
+  TORCHCLIP_HOST_DEVICE static int digit_parts(unsigned __int128 mantissa, int exponent, uint64_t* parts) {
+    const int position = exponent + kBias;
+    const int shift = position % kDigitBits;
+    const unsigned __int128 low = mantissa << shift;  // (bits shifted out of 128 go to the last part)
+    parts[0] = static_cast<uint32_t>(low);
+    parts[1] = static_cast<uint32_t>(low >> 32);
+    parts[2] = static_cast<uint32_t>(low >> 64);
+    parts[3] = static_cast<uint32_t>(low >> 96);
+    parts[4] = shift == 0 ? 0 : static_cast<uint64_t>(mantissa >> (128 - shift));
+    return position / kDigitBits;
+  }
+
+  // v = mantissa * 2^exponent with an integer mantissa < 2^53 (v finite; its sign dropped).
+  TORCHCLIP_HOST_DEVICE static uint64_t split(double v, int* exponent) {
+    uint64_t bits;
+    memcpy(&bits, &v, sizeof(bits));
+    const int biased = static_cast<int>((bits >> 52) & 0x7FF);
+    const uint64_t fraction = bits & ((uint64_t{1} << 52) - 1);
+    *exponent = biased == 0 ? -1074 : biased - 1075;
+    return biased == 0 ? fraction : fraction | (uint64_t{1} << 52);
+  }
+
+  TORCHCLIP_HOST_DEVICE void add(const ExactSum& other) {
     if (other.top_ < 0) {
       return;
     }
@@ -90,18 +130,18 @@ class ExactSum {
 
   // The sum (>= 0) as kDigits digits, digit k in [0, 2^32) weighing 2^(32 k - kBias): what ranks exchange.
   // Up to 2^31 such rows add element-wise in int64 without overflow, and from_digits reads their sum.
-  void to_digits(int64_t* out) const {
+  TORCHCLIP_HOST_DEVICE void to_digits(int64_t* out) const {
     ExactSum carried = *this;
     carried.propagate_carries();
-    std::memset(out, 0, sizeof(int64_t) * kDigits);
+    memset(out, 0, sizeof(int64_t) * kDigits);
     if (carried.top_ >= carried.bottom_) {
-      std::memcpy(out + carried.bottom_, carried.digits_ + carried.bottom_,
+      memcpy(out + carried.bottom_, carried.digits_ + carried.bottom_,
           sizeof(int64_t) * (carried.top_ - carried.bottom_ + 1));
     }
   }
 
   // The sum whose digits are `digits` (non-negative; carries not yet propagated allowed).
-  static ExactSum from_digits(const int64_t* digits) {
+  TORCHCLIP_HOST_DEVICE static ExactSum from_digits(const int64_t* digits) {
     ExactSum sum;
     int bottom = 0, top = kDigits - 1;
     while (bottom < kDigits && digits[bottom] == 0) {
@@ -112,21 +152,21 @@ class ExactSum {
     }
     if (top >= bottom) {
       sum.widen(bottom, top);
-      std::memcpy(sum.digits_ + bottom, digits + bottom, sizeof(int64_t) * (top - bottom + 1));
+      memcpy(sum.digits_ + bottom, digits + bottom, sizeof(int64_t) * (top - bottom + 1));
       sum.propagate_carries();
     }
     return sum;
   }
 
   // The sum rounded to the nearest float64 (ties to even), as a sum that is >= 0.
-  double to_double() const {
+  TORCHCLIP_HOST_DEVICE double to_double() const {
     ExactSum copy = *this;
     copy.propagate_carries();
     return copy.rounded(0);
   }
 
   // sqrt of the sum (>= 0), rounded to the nearest float64 (ties to even).
-  double sqrt_rounded() const {
+  TORCHCLIP_HOST_DEVICE double sqrt_rounded() const {
     ExactSum sum = *this;
     sum.propagate_carries();
     const int top_bit = sum.top_bit();
@@ -135,13 +175,13 @@ class ExactSum {
     }
     // An estimate within an ulp or two, from the sum scaled by an even power of two into float64's range.
     const int half_shift = (top_bit - kBias) / 2;
-    double root = std::ldexp(std::sqrt(sum.rounded(2 * half_shift)), half_shift);
+    double root = ldexp(sqrt(sum.rounded(2 * half_shift)), half_shift);
     // Then the exact comparisons with the midpoints next to it decide.
     for (int step = 0; step < 4; ++step) {
-      if (std::isinf(root)) {
+      if (isinf(root)) {
         return root;  // (the sum's root is beyond float64's range)
       }
-      const double up = std::nextafter(root, std::numeric_limits<double>::infinity());
+      const double up = nextafter(root, __builtin_huge_val());
       const int above = sum.compare_with_midpoint_square(root);
       if (above > 0) {
         root = up;
@@ -150,7 +190,7 @@ class ExactSum {
       if (above == 0) {
         return even_of(root, up);
       }
-      const double down = std::nextafter(root, 0.0);
+      const double down = nextafter(root, 0.0);
       const int below = sum.compare_with_midpoint_square(down);
       if (below < 0) {
         root = down;
@@ -167,44 +207,34 @@ class ExactSum {
  private:
   static constexpr int kCarryEvery = 1 << 30;  // each addition moves a digit by < 2^32: no int64 overflow
 
-  // v = mantissa * 2^exponent with an integer mantissa < 2^53.
-  static uint64_t split(double v, int* exponent) {
+  TORCHCLIP_HOST_DEVICE static double even_of(double a, double b) {
     uint64_t bits;
-    std::memcpy(&bits, &v, sizeof(bits));
-    const int biased = static_cast<int>((bits >> 52) & 0x7FF);
-    const uint64_t fraction = bits & ((uint64_t{1} << 52) - 1);
-    *exponent = biased == 0 ? -1074 : biased - 1075;
-    return biased == 0 ? fraction : fraction | (uint64_t{1} << 52);
-  }
-
-  static double even_of(double a, double b) {
-    uint64_t bits;
-    std::memcpy(&bits, &a, sizeof(bits));
+    memcpy(&bits, &a, sizeof(bits));
     return (bits & 1) == 0 ? a : b;
   }
 
   // Takes digits [bottom, top] into the window, zeroing those new to it.
-  void widen(int bottom, int top) {
+  TORCHCLIP_HOST_DEVICE void widen(int bottom, int top) {
     top = top < kDigits ? top : kDigits - 1;
     if (top_ < bottom_) {
-      std::memset(digits_ + bottom, 0, sizeof(int64_t) * (top - bottom + 1));
+      memset(digits_ + bottom, 0, sizeof(int64_t) * (top - bottom + 1));
       bottom_ = bottom;
       top_ = top;
       return;
     }
     if (bottom < bottom_) {
-      std::memset(digits_ + bottom, 0, sizeof(int64_t) * (bottom_ - bottom));
+      memset(digits_ + bottom, 0, sizeof(int64_t) * (bottom_ - bottom));
       bottom_ = bottom;
     }
     if (top > top_) {
-      std::memset(digits_ + top_ + 1, 0, sizeof(int64_t) * (top - top_));
+      memset(digits_ + top_ + 1, 0, sizeof(int64_t) * (top - top_));
       top_ = top;
     }
   }
 
   // Every digit into [0, 2^32) except the last one that holds anything, which keeps the sign. A negative
   // sum carries up to the last digit (kept negative); lower digits are then its positive remainder.
-  void propagate_carries() {
+  TORCHCLIP_HOST_DEVICE void propagate_carries() {
     pending_ = 0;
     if (top_ < 0) {
       return;
@@ -233,16 +263,16 @@ class ExactSum {
   }
 
   // The index of the highest set bit of a carried, non-negative sum; -1 for zero.
-  int top_bit() const {
+  TORCHCLIP_HOST_DEVICE int top_bit() const {
     if (top_ < 0) {
       return -1;
     }
     const uint64_t digit = static_cast<uint64_t>(digits_[top_]);
-    return top_ * kDigitBits + 63 - __builtin_clzll(digit);
+    return top_ * kDigitBits + 63 - exact_sum_detail::leading_zeros(digit);
   }
 
   // The carried, non-negative sum times 2^-shift, rounded to the nearest float64 (ties to even).
-  double rounded(int shift) const {
+  TORCHCLIP_HOST_DEVICE double rounded(int shift) const {
     const int top_bit = this->top_bit();
     if (top_bit < 0) {
       return 0.0;
@@ -275,15 +305,15 @@ class ExactSum {
     if (half && (above_half || (mantissa & 1))) {
       ++mantissa;  // (2^53 after a carry out is still exact as a double)
     }
-    return std::ldexp(static_cast<double>(mantissa), leading_exponent - keep + 1);
+    return ldexp(static_cast<double>(mantissa), leading_exponent - keep + 1);
   }
 
   // Whether the window's digits make one 128-bit integer (at most four digits).
-  bool fits_128() const { return top_ - bottom_ < 128 / kDigitBits; }
+  TORCHCLIP_HOST_DEVICE bool fits_128() const { return top_ - bottom_ < 128 / kDigitBits; }
 
   // The window's digits as one integer (fits_128, carried, non-negative): the sum is it times
   // 2^(32 bottom_ - kBias).
-  unsigned __int128 low_128() const {
+  TORCHCLIP_HOST_DEVICE unsigned __int128 low_128() const {
     unsigned __int128 value = 0;
     for (int k = top_; k >= bottom_; --k) {
       value = (value << kDigitBits) | static_cast<uint32_t>(digits_[k]);
@@ -292,7 +322,7 @@ class ExactSum {
   }
 
   // The 64 bits from top_bit down, and whether anything below them is set, bit by bit.
-  uint64_t head_bits(int top_bit, bool* sticky) const {
+  TORCHCLIP_HOST_DEVICE uint64_t head_bits(int top_bit, bool* sticky) const {
     uint64_t head = 0;
     for (int bit = top_bit, filled = 0; filled < 64; ++filled, --bit) {
       head = (head << 1) | (bit >= 0 ? bit_at(bit) : 0);
@@ -314,7 +344,7 @@ class ExactSum {
     return head;
   }
 
-  uint64_t bit_at(int bit) const {
+  TORCHCLIP_HOST_DEVICE uint64_t bit_at(int bit) const {
     const int k = bit / kDigitBits;
     if (k < bottom_ || k > top_) {
       return 0;
@@ -323,7 +353,7 @@ class ExactSum {
   }
 
   // The sign of (sum - m^2), m the midpoint between `low` (>= 0, finite) and the double above it.
-  int compare_with_midpoint_square(double low) const {
+  TORCHCLIP_HOST_DEVICE int compare_with_midpoint_square(double low) const {
     int exponent;
     const uint64_t mantissa = split(low, &exponent);
     // m = (2 * mantissa + 1) * 2^(exponent - 1): a 54-bit integer times a power of two, squared exactly.
@@ -341,7 +371,7 @@ class ExactSum {
   }
 
   // The sign of a * 2^ea - b * 2^eb (b > 0, below 2^108): by where their leading bits fall, then aligned.
-  static int compare_128(unsigned __int128 a, int ea, unsigned __int128 b, int eb) {
+  TORCHCLIP_HOST_DEVICE static int compare_128(unsigned __int128 a, int ea, unsigned __int128 b, int eb) {
     if (a == 0) {
       return -1;
     }
@@ -358,9 +388,10 @@ class ExactSum {
     return a > b ? 1 : (a < b ? -1 : 0);
   }
 
-  static int bit_length(unsigned __int128 v) {
+  TORCHCLIP_HOST_DEVICE static int bit_length(unsigned __int128 v) {
     const uint64_t high = static_cast<uint64_t>(v >> 64), low = static_cast<uint64_t>(v);
-    return high != 0 ? 128 - __builtin_clzll(high) : (low != 0 ? 64 - __builtin_clzll(low) : 0);
+    return high != 0 ? 128 - exact_sum_detail::leading_zeros(high)
+                     : (low != 0 ? 64 - exact_sum_detail::leading_zeros(low) : 0);
   }
 
   int64_t digits_[kDigits];          // (only [bottom_, top_] is ever read; the rest is not initialised)

@@ -16,6 +16,7 @@
 #include <c10/util/string_view.h>
 
 #include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <cmath>
 #include <cstdint>
@@ -217,11 +218,17 @@ inline std::string python_float(double value) {
   return text;
 }
 
-// exact=True where exact norms are not built (CUDA, so far) is refused: never a silently inexact norm.
-// (exact=None follows the process-wide setting, which covers CPU tensors and says so when set.)
-inline void check_exact_available(std::optional<bool> exact, const c10::Device& device, const char* op) {
-  TORCH_CHECK_VALUE(!exact.value_or(false), op, ": exact=True, but exact norms are taken of CPU tensors only so far; ",
-      "these are on ", device);
+// The process-wide exact-norm setting (torchclip.set_exact_norm), for a call whose `exact` is None. Each
+// library that includes this may hold its own copy (torchclip._C's and torchclip._cuda's): set_exact_norm
+// sets every one.
+inline std::atomic<bool>& exact_norms_setting() {
+  static std::atomic<bool> enabled{false};
+  return enabled;
+}
+
+// Whether a call takes exact norms: its own `exact` argument where given, else the process-wide setting.
+inline bool exact_norms_for(std::optional<bool> exact) {
+  return exact.value_or(exact_norms_setting().load(std::memory_order_relaxed));
 }
 
 // The non-finite policies of the clipping ops (see ops.cpp).

@@ -406,26 +406,67 @@ def test_exact_sparse_gradients(cpu_capability):
 
 def test_exact_true_is_refused_where_norms_are_not_exact(cpu_capability):
     leaf = make_tensor((100,), torch.float32, seed=1).requires_grad_()
-    with pytest.raises(ValueError, match="exact=True: exact norms are taken of CPU tensors that autograd"):
+    with pytest.raises(ValueError, match="exact=True: exact norms are taken of plain CPU and CUDA tensors"):
         torchclip.global_norm([leaf * 2], exact=True)  # differentiable: torch's ops take it
     with pytest.raises(ValueError, match="norms over axes are not taken exactly"):
         torchclip.clip_by_norm(make_tensor((4, 5), torch.float32, seed=2), 1.0, axes=1, exact=True)
 
 
+def cuda_exact_cases(dtype):
+    """Lists around the CUDA kernels' sub-block (1,024) and chunk (65,536) edges, normal data and each
+    dtype's whole range with zeros, subnormals, and a strided view (ATen's path, copied dense)."""
+    tensors = [make_tensor((n,), dtype, seed=n, scale=0.1) for n in (1, 31, 1023, 1024, 1025, 65535, 65537, 300_001)]
+    tensors.append(wide_range(dtype, 70_000, seed=5))
+    tensors.append(make_tensor((4000,), dtype, seed=6, layout="strided"))
+    tensors.append(torch.zeros(0, dtype=dtype))
+    return tensors
+
+
 @cuda_only
-def test_cuda_refuses_exact_true_and_changes_nothing():
-    params = [torch.nn.Parameter(torch.zeros(1000, device="cuda"))]
-    params[0].grad = torch.full((1000,), 3.0, device="cuda")
-    for call in (
-        lambda: torchclip.clip_grad_norm_(params, 0.1, exact=True),
-        lambda: torchclip.get_total_norm([params[0].grad], exact=True),
-        lambda: torchclip.ClipGradByNorm(0.1, exact=True)(params),
-        lambda: _ops.clip_grad_norm_([params[0].grad], 0.1, 2.0, False, exact=True),
-        lambda: _ops.multi_tensor_norm([params[0].grad], 2.0, exact=True),
-    ):
-        with pytest.raises(ValueError, match="exact=True, but exact norms are taken of CPU tensors only"):
-            call()
-        assert torch.equal(params[0].grad, torch.full((1000,), 3.0, device="cuda"))
+@pytest.mark.parametrize("norm_type", ORDERS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_gives_the_cpu_bits(dtype, norm_type):
+    tensors = cuda_exact_cases(dtype)
+    on_cuda = [t.cuda() for t in tensors]
+    total, per_tensor = _ops.multi_tensor_norm(tensors, norm_type, exact=True)
+    cuda_total, cuda_per_tensor = _ops.multi_tensor_norm(on_cuda, norm_type, exact=True)
+    assert torch.equal(cuda_per_tensor.cpu(), per_tensor)
+    assert torch.equal(cuda_total.cpu(), total)
+    assert torch.equal(torchclip.get_total_norm(on_cuda, norm_type, exact=True).cpu(), total)
+    expected = as_dtype(exact_norm([t for t in tensors if t.numel()], norm_type), dtype)
+    assert torch.equal(total, expected)
+    # Clipping: the same coefficient, so the same clipped bits (the scale kernels agree, test_kernels.py).
+    params = [torch.nn.Parameter(torch.zeros_like(t)) for t in tensors]
+    cuda_params = [torch.nn.Parameter(torch.zeros_like(t)) for t in on_cuda]
+    for p, q, t, u in zip(params, cuda_params, tensors, on_cuda):
+        p.grad, q.grad = t.clone(), u.clone()
+    expected = torchclip.clip_grad_norm_(params, 0.5, norm_type, exact=True)
+    assert torch.equal(torchclip.clip_grad_norm_(cuda_params, 0.5, norm_type, exact=True).cpu(), expected)
+    for p, q in zip(params, cuda_params):
+        assert torch.equal(q.grad.cpu(), p.grad)
+
+
+@cuda_only
+def test_cuda_exact_follows_the_process_setting_and_flags_nan_and_inf():
+    x = make_tensor((100_000,), torch.float32, seed=1)
+    previous = torchclip.set_exact_norm(True)
+    try:
+        assert torch.equal(torchclip.get_total_norm([x.cuda()]).cpu(), torchclip.get_total_norm([x]))
+        clip, cuda_clip = torchclip.ClipGradByNorm(1.0), torchclip.ClipGradByNorm(1.0)
+        p, q = torch.nn.Parameter(torch.zeros_like(x)), torch.nn.Parameter(torch.zeros_like(x).cuda())
+        p.grad, q.grad = x.clone(), x.cuda()
+        clip([p])
+        cuda_clip([q])
+        assert torch.equal(cuda_clip.last_norms.cpu(), clip.last_norms) and torch.equal(q.grad.cpu(), p.grad)
+    finally:
+        torchclip.set_exact_norm(previous)
+    y = x.clone()
+    y[70_000] = math.inf
+    z = x.clone()
+    z[5] = math.nan
+    total, per_tensor = _ops.multi_tensor_norm([y.cuda(), z.cuda(), x.cuda()], 2.0, exact=True)
+    assert math.isnan(total.item()) and math.isinf(per_tensor[0].item()) and math.isnan(per_tensor[1].item())
+    assert per_tensor[2].item() == _ops.multi_tensor_norm([x], 2.0, exact=True)[1].item()
 
 
 def test_a_complex_1_norm_keeps_float64_for_the_total(cpu_capability):
@@ -471,3 +512,16 @@ def test_agc_refuses_exact_where_its_norms_are_not_exact(cpu_capability):
     with pytest.raises(ValueError, match="exact=True: unit norms are taken exactly of plain CPU tensors"):
         torchclip.ClipGradByUnitwiseNorm(exact=True).clip_gradients_([grad], [torch.ones(4, 3)])
     assert torch.equal(grad.detach(), torch.full((4, 3), 5.0))
+
+
+def test_square_roots_halfway_between_two_floats_round_to_even(cpu_capability):
+    # a^2 + b^2 = h^2 with h a 54-bit odd integer: sqrt is exactly halfway between two float64 values.
+    for m in range(int(2**26.6), int(2**26.6) + 40):
+        n = m // 2 + (1 if m % 2 == (m // 2) % 2 else 0)  # opposite parity: h odd
+        legs = torch.tensor([float(m * m - n * n), float(2 * m * n)], dtype=torch.float64)
+        h = m * m + n * n
+        assert h.bit_length() == 54 and h % 2 == 1
+        for scale in (1.0, 2.0**-600, 2.0**400):
+            norm = _ops.multi_tensor_norm([legs * scale], 2.0, exact=True)[1].item()
+            assert norm == sqrt_rounded(exact_sum([legs * scale], 2.0)), (m, n, scale)
+            assert norm in (float(h - 1) * scale, float(h + 1) * scale) and float_bits(norm) % 2 == 0

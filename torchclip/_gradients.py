@@ -113,8 +113,8 @@ class Gradients:
         ):
             where = sorted({f"{type(t).__name__} on {t.device}" for t in self.tensors})
             raise ValueError(
-                "exact=True: exact norms are taken of CPU tensors that autograd does not track (plain, sparse "
-                f"or sharded) so far; got {where}"
+                "exact=True: exact norms are taken of plain CPU and CUDA tensors that autograd does not track, "
+                f"CPU sparse tensors and CPU shards; got {where}"
             )
 
     def sharded_total_norm(self, ord: float, error_if_nonfinite: bool, exact: bool | None = None) -> Tensor:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import glob
 import importlib
 import os
-import warnings
 from collections.abc import Sequence
 
 import torch
@@ -116,7 +115,7 @@ set_cpu_capability(_default_cpu_capability())
 
 
 def set_exact_norm(enabled: bool) -> bool:
-    """Take every p = 1 and p = 2 norm of CPU gradients exactly, process-wide, from now on (or not).
+    """Take every p = 1 and p = 2 norm of gradients exactly, process-wide, from now on (or not).
 
     An exact norm is the true norm rounded once: the sum of every |x| or x^2 is held exactly (a
     fixed-point accumulator over float64's range), then rounded (p = 1) or square-rooted (p = 2) correctly
@@ -125,9 +124,8 @@ def set_exact_norm(enabled: bool) -> bool:
     coefficient follows from it in one fixed way, so the clipped gradients are the same bits too.
     TORCHCLIP_EXACT_NORM=1 sets it at import; every norm-taking function and class also takes `exact=`
     for one call or one clip, which wins over this setting. Sharded gradients exchange exact sums, so
-    any number of ranks gives one process's bits. Other orders keep float64 accumulation, and CUDA
-    gradients are not exact yet: they keep float64 under this setting, and refuse exact=True
-    (docs/performance.md#exact-norms says what exact costs).
+    any number of ranks gives one process's bits, and CUDA gradients the CPU's. Other orders keep float64
+    accumulation (docs/performance.md#exact-norms says what exact costs).
 
     Args:
         enabled: True for exact norms, False for float64 accumulation (the default).
@@ -147,12 +145,8 @@ def set_exact_norm(enabled: bool) -> bool:
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"set_exact_norm: enabled must be a bool, got {enabled!r}")
-    if enabled and torch.cuda.is_available():
-        warnings.warn(
-            "torchclip.set_exact_norm: exact norms cover CPU gradients so far; CUDA gradients keep float64 "
-            "accumulation (accurate, but not the same bits as the CPU's)",
-            stacklevel=2,
-        )
+    if _C.cuda_built():
+        _cuda.set_exact_norms(enabled)  # (torchclip._cuda keeps its own copy of the setting)
     return _C.set_exact_norms(enabled)
 
 

@@ -19,20 +19,12 @@
 
 namespace torchclip {
 
-namespace {
-std::atomic<bool> exact_norms{false};
-}  // namespace
-
 bool exact_norms_enabled() {
-  return exact_norms.load(std::memory_order_relaxed);
+  return exact_norms_setting().load(std::memory_order_relaxed);
 }
 
 bool set_exact_norms(bool enabled) {
-  return exact_norms.exchange(enabled);
-}
-
-bool exact_norms_for(std::optional<bool> exact) {
-  return exact.value_or(exact_norms_enabled());
+  return exact_norms_setting().exchange(enabled);
 }
 
 void Split::add(const at::Tensor& t, int64_t index) {

@@ -14,11 +14,10 @@
 
 namespace torchclip {
 
-// Exact norms for p = 1 and 2 on the CPU (exact_sum.h), process-wide: torchclip.set_exact_norm.
+// Exact norms for p = 1 and 2 (exact_sum.h), process-wide: torchclip.set_exact_norm (op_shared.h's
+// exact_norms_setting, this library's copy).
 bool exact_norms_enabled();
 bool set_exact_norms(bool enabled);  // returns the previous setting
-// Whether a call takes exact norms: its own `exact` argument where given, else the process-wide setting.
-bool exact_norms_for(std::optional<bool> exact);
 
 // Checks every tensor (defined, CPU, strided; errors name `op` and the index) and splits the list.
 Split split_tensors(at::TensorList tensors, const char* op);

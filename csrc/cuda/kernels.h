@@ -46,6 +46,17 @@ void tensor_norms(const DeviceSpan* spans, int64_t count, NormOrder order, doubl
 void total_norm(const double* norms, int64_t count, NormOrder order, double* total, double* coefficient,
     double max_norm, double eps, bool skip_nonfinite, cudaStream_t stream);
 
+// Exact norms, kind One or Two (cpu/exact_norm_kernel.cpp's, the same bits): norms[spans[k].index] =
+// each span's norm correctly rounded (NaN where it holds a NaN, else inf where an inf; norms may be null),
+// and where total is not null, *total = the total over every list position [0, list_size) rounded once
+// and *coefficient as total_norm's (coefficient may be null). `accumulators` holds list_size zeroed
+// accumulators of kExactAccumulatorWords int64s (ExactSum's digits, then NaN/inf flags), `arrivals`
+// list_size zeroed int32s. Positions with no span count as zero.
+constexpr int64_t kExactAccumulatorWords = 137;
+void exact_norms(const DeviceSpan* spans, int64_t count, NormKind kind, int64_t list_size, double* norms, double* total,
+    double* coefficient, double max_norm, double eps, bool skip_nonfinite, int64_t* accumulators, int32_t* arrivals,
+    cudaStream_t stream);
+
 // Per-tensor clipping coefficients from per-tensor 2-norms: scales[i] = 1 where norms[i] <= max_norm,
 // else max_norm / norms[i] (NaN for a NaN norm); all 1 when skip_nonfinite and any norm is NaN or inf.
 // *any_nonfinite is set to 1 or 0.

@@ -125,11 +125,63 @@ at::Tensor aten_norm(const at::Tensor& t, double ord) {
   return at::where(may_have_left_range.logical_and(usable), scaled, norm);
 }
 
-// Per-tensor norms in float64, on the device: kernels for the spans, ATen for the rest.
+// Exact norms (orders 1 and 2; cpu/ops_cpu.cpp's exact_norms_wide is the specification), into the
+// tensors given: per-tensor norms (norms), the total (total) and the clip coefficient (coefficient, with
+// total), each float64 on the device. ATen's tensors are copied dense first (a complex tensor's 2-norm
+// by its real view); false, with nothing computed, where one's norm is not an exact sum (a complex
+// tensor's 1-norm): the caller keeps float64 accumulation.
+bool exact_norms_into(at::TensorList tensors, const DeviceSplit& split, double ord, at::Tensor* norms,
+    at::Tensor* total, at::Tensor* coefficient, double max_norm, double eps, bool skip_nonfinite, cudaStream_t stream) {
+  std::vector<DeviceSpan> spans = split.spans;
+  std::vector<at::Tensor> dense;  // (freed to the caching allocator in stream order: safe for the kernels)
+  for (int64_t i : split.aten_path) {
+    const at::Tensor& t = tensors[i];
+    if (t.is_complex() && ord == 1.0) {
+      return false;
+    }
+    const at::Tensor real = (t.is_complex() ? at::view_as_real(t.resolve_conj()) : t).resolve_neg().contiguous();
+    const std::optional<DType> dtype = kernel_dtype(real);
+    if (!dtype) {
+      return false;
+    }
+    dense.push_back(real);
+    spans.push_back({real.data_ptr(), real.numel(), *dtype, static_cast<int32_t>(i)});
+  }
+  const int64_t count = static_cast<int64_t>(tensors.size());
+  const at::TensorOptions options = float64_on(split.device);
+  if (norms != nullptr) {
+    *norms = at::zeros({count}, options);  // (an empty tensor launches no block: its norm is 0)
+  }
+  if (total != nullptr) {
+    *total = at::empty({}, options);
+  }
+  if (coefficient != nullptr) {
+    *coefficient = at::empty({}, options);
+  }
+  const at::Tensor accumulators = at::zeros({count, cuda::kExactAccumulatorWords}, options.dtype(at::kLong));
+  const at::Tensor arrivals = at::zeros({count}, options.dtype(at::kInt));
+  cuda::exact_norms(spans.data(), static_cast<int64_t>(spans.size()), ord == 1.0 ? NormKind::One : NormKind::Two, count,
+      norms != nullptr ? norms->data_ptr<double>() : nullptr, total != nullptr ? total->data_ptr<double>() : nullptr,
+      coefficient != nullptr ? coefficient->data_ptr<double>() : nullptr, max_norm, eps, skip_nonfinite,
+      accumulators.data_ptr<int64_t>(), arrivals.data_ptr<int32_t>(), stream);
+  return true;
+}
+
+bool exact_order(bool exact, double ord) {
+  return exact && (ord == 1.0 || ord == 2.0);
+}
+
+// Per-tensor norms in float64, on the device: kernels for the spans, ATen for the rest; exact norms
+// (orders 1 and 2) where `exact` says so.
 at::Tensor tensor_norms(at::TensorList tensors, const DeviceSplit& split, double ord, const char* op,
-    cudaStream_t stream) {
+    cudaStream_t stream, bool exact = false) {
   const NormOrder order = norm_order(ord);
   check_norm_inputs(tensors, split.aten_path, ord, op);
+  at::Tensor exact_norms;
+  if (exact_order(exact, ord) &&
+      exact_norms_into(tensors, split, ord, &exact_norms, nullptr, nullptr, 0.0, 0.0, false, stream)) {
+    return exact_norms;
+  }
   const int64_t count = static_cast<int64_t>(tensors.size());
   // The kernels launch no block for an empty tensor, whose norm (for the orders that allow one) is 0.
   const bool any_empty =
@@ -210,13 +262,18 @@ void apply_in_place(at::TensorList tensors, const std::vector<DeviceSpan>& spans
 constexpr const char* kNormOp = "torchclip.multi_tensor_norm";
 
 std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_cuda_split(at::TensorList tensors, const DeviceSplit& split,
-    double ord, bool error_if_nonfinite, std::optional<at::ScalarType> dtype = std::nullopt) {
+    double ord, bool error_if_nonfinite, bool exact, std::optional<at::ScalarType> dtype = std::nullopt) {
   const c10::cuda::CUDAGuard guard(split.device);
   const cudaStream_t stream = current_stream();
-  const at::Tensor norms = tensor_norms(tensors, split, ord, kNormOp, stream);
-  at::Tensor total = at::empty({}, float64_on(split.device));
-  cuda::total_norm(norms.data_ptr<double>(), norms.numel(), norm_order(ord), total.data_ptr<double>(), nullptr, 0.0,
-      0.0, false, stream);
+  at::Tensor norms, total;
+  check_norm_inputs(tensors, split.aten_path, ord, kNormOp);
+  if (!exact_order(exact, ord) ||
+      !exact_norms_into(tensors, split, ord, &norms, &total, nullptr, 0.0, 0.0, false, stream)) {
+    norms = tensor_norms(tensors, split, ord, kNormOp, stream);
+    total = at::empty({}, float64_on(split.device));
+    cuda::total_norm(norms.data_ptr<double>(), norms.numel(), norm_order(ord), total.data_ptr<double>(), nullptr, 0.0,
+        0.0, false, stream);
+  }
   if (error_if_nonfinite) {
     check_finite_total(total.item<double>(), ord, true);  // the check needs the value: a sync, as torch's
   }
@@ -226,8 +283,8 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_cuda_split(at::TensorList t
 std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_cuda(at::TensorList tensors, double ord, bool error_if_nonfinite,
     std::optional<bool> exact, std::optional<at::ScalarType> dtype) {
   const c10::Device device = op_device(tensors, nullptr);
-  check_exact_available(exact, device, kNormOp);
-  return multi_tensor_norm_cuda_split(tensors, split_tensors(tensors, kNormOp, device), ord, error_if_nonfinite, dtype);
+  return multi_tensor_norm_cuda_split(tensors, split_tensors(tensors, kNormOp, device), ord, error_if_nonfinite,
+      exact_norms_for(exact), dtype);
 }
 
 void multi_tensor_scale_cuda(at::TensorList tensors, const at::Tensor& scale) {
@@ -290,18 +347,25 @@ void multi_tensor_clamp_cuda(at::TensorList tensors, double min, double max) {
 constexpr const char* kClipGradNormOp = "torchclip.clip_grad_norm_";
 
 at::Tensor clip_grad_norm_cuda_split(at::TensorList grads, const DeviceSplit& split, double max_norm, double norm_type,
-    bool error_if_nonfinite, double eps, bool norm_at_least_float32, NonFinite policy, NormClipStats* stats) {
+    bool error_if_nonfinite, double eps, bool norm_at_least_float32, NonFinite policy, bool exact,
+    NormClipStats* stats) {
   constexpr const char* op = kClipGradNormOp;
   const c10::cuda::CUDAGuard guard(split.device);
   check_writable(grads, split.aten_path, op);
   const cudaStream_t stream = current_stream();
-  const at::Tensor norms = tensor_norms(grads, split, norm_type, op, stream);
-  at::Tensor total = at::empty({}, float64_on(split.device));
-  at::Tensor coefficient = at::empty({}, float64_on(split.device));
+  at::Tensor norms, total, coefficient;
+  check_norm_inputs(grads, split.aten_path, norm_type, op);
   // torch's coefficient, max_norm / (total_norm + eps) clamped to at most 1, from the float64 norm and
   // on the device; 1 for a non-finite norm under "skip".
-  cuda::total_norm(norms.data_ptr<double>(), norms.numel(), norm_order(norm_type), total.data_ptr<double>(),
-      coefficient.data_ptr<double>(), max_norm, eps, policy == NonFinite::Skip, stream);
+  if (!exact_order(exact, norm_type) ||
+      !exact_norms_into(grads, split, norm_type, stats != nullptr ? &norms : nullptr, &total, &coefficient, max_norm,
+          eps, policy == NonFinite::Skip, stream)) {
+    norms = tensor_norms(grads, split, norm_type, op, stream);
+    total = at::empty({}, float64_on(split.device));
+    coefficient = at::empty({}, float64_on(split.device));
+    cuda::total_norm(norms.data_ptr<double>(), norms.numel(), norm_order(norm_type), total.data_ptr<double>(),
+        coefficient.data_ptr<double>(), max_norm, eps, policy == NonFinite::Skip, stream);
+  }
   if (error_if_nonfinite || policy == NonFinite::Raise) {
     check_finite_total(total.item<double>(), norm_type, true);  // the check needs the value: a sync, as torch's
   }
@@ -326,23 +390,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> clip_grad_norm_cuda(at::TensorLis
     std::optional<bool> exact) {
   const NonFinite policy = parse_nonfinite(nonfinite, kClipGradNormOp);
   const c10::Device device = op_device(grads, nullptr);
-  check_exact_available(exact, device, kClipGradNormOp);
   check_not_inference(grads, kClipGradNormOp);
   NormClipStats stats;
   at::Tensor total = clip_grad_norm_cuda_split(grads, split_tensors(grads, kClipGradNormOp, device), max_norm,
-      norm_type, error_if_nonfinite, eps, norm_at_least_float32, policy, &stats);
+      norm_type, error_if_nonfinite, eps, norm_at_least_float32, policy, exact_norms_for(exact), &stats);
   return {std::move(total), std::move(stats.norms), std::move(stats.coefficient)};
 }
 
 constexpr const char* kClipByTensorNormOp = "torchclip.clip_by_tensor_norm_";
 
 at::Tensor clip_by_tensor_norm_cuda_split(at::TensorList tensors, const DeviceSplit& split, double max_norm,
-    NonFinite policy) {
+    NonFinite policy, bool exact) {
   constexpr const char* op = kClipByTensorNormOp;
   const c10::cuda::CUDAGuard guard(split.device);
   check_writable(tensors, split.aten_path, op);
   const cudaStream_t stream = current_stream();
-  const at::Tensor norms = tensor_norms(tensors, split, 2.0, op, stream);
+  const at::Tensor norms = tensor_norms(tensors, split, 2.0, op, stream, exact);
   const at::Tensor scales = at::empty({norms.numel()}, float64_on(split.device));
   const at::Tensor any_nonfinite = at::empty({}, float64_on(split.device).dtype(at::kInt));
   cuda::tensor_clip_scales(norms.data_ptr<double>(), norms.numel(), max_norm, policy == NonFinite::Skip,
@@ -361,7 +424,7 @@ at::Tensor clip_by_tensor_norm_cuda_split(at::TensorList tensors, const DeviceSp
     for (size_t i = 0; i < tensors.size(); ++i) {
       const at::TensorList one = tensors.slice(i, 1);
       const DeviceSplit one_split = split_tensors(one, op, split.device);
-      const at::Tensor norm = tensor_norms(one, one_split, 2.0, op, stream);
+      const at::Tensor norm = tensor_norms(one, one_split, 2.0, op, stream, exact);
       seen.narrow(0, static_cast<int64_t>(i), 1).copy_(norm);
       at::Tensor scale = at::empty({1}, float64_on(split.device));
       cuda::tensor_clip_scales(norm.data_ptr<double>(), 1, max_norm, false, scale.data_ptr<double>(),
@@ -386,28 +449,31 @@ at::Tensor clip_by_tensor_norm_cuda(at::TensorList tensors, double max_norm, c10
     std::optional<bool> exact) {
   const NonFinite policy = parse_nonfinite(nonfinite, kClipByTensorNormOp);
   const c10::Device device = op_device(tensors, nullptr);
-  check_exact_available(exact, device, kClipByTensorNormOp);
   check_not_inference(tensors, kClipByTensorNormOp);
-  return clip_by_tensor_norm_cuda_split(tensors, split_tensors(tensors, kClipByTensorNormOp, device), max_norm, policy);
+  return clip_by_tensor_norm_cuda_split(tensors, split_tensors(tensors, kClipByTensorNormOp, device), max_norm, policy,
+      exact_norms_for(exact));
 }
 
 // ---- the same on the walk's Split (CudaSplitOps: the fast path's entries) -----------------------
 
-at::Tensor total_norm_cuda_split(at::TensorList tensors, const Split& walked, double ord, bool error_if_nonfinite) {
-  return std::get<0>(multi_tensor_norm_cuda_split(tensors, from_walk(tensors, walked), ord, error_if_nonfinite));
+at::Tensor total_norm_cuda_split(at::TensorList tensors, const Split& walked, double ord, bool error_if_nonfinite,
+    std::optional<bool> exact) {
+  return std::get<0>(multi_tensor_norm_cuda_split(tensors, from_walk(tensors, walked), ord, error_if_nonfinite,
+      exact_norms_for(exact)));
 }
 
 at::Tensor clip_grad_norm_cuda_split(at::TensorList grads, const Split& walked, double max_norm, double norm_type,
-    bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite, NormClipStats* stats) {
+    bool error_if_nonfinite, double eps, bool norm_at_least_float32, c10::string_view nonfinite,
+    std::optional<bool> exact, NormClipStats* stats) {
   const NonFinite policy = parse_nonfinite(nonfinite, kClipGradNormOp);
   return clip_grad_norm_cuda_split(grads, from_walk(grads, walked), max_norm, norm_type, error_if_nonfinite, eps,
-      norm_at_least_float32, policy, stats);
+      norm_at_least_float32, policy, exact_norms_for(exact), stats);
 }
 
 at::Tensor clip_by_tensor_norm_cuda_split(at::TensorList tensors, const Split& walked, double max_norm,
-    c10::string_view nonfinite) {
+    c10::string_view nonfinite, std::optional<bool> exact) {
   const NonFinite policy = parse_nonfinite(nonfinite, kClipByTensorNormOp);
-  return clip_by_tensor_norm_cuda_split(tensors, from_walk(tensors, walked), max_norm, policy);
+  return clip_by_tensor_norm_cuda_split(tensors, from_walk(tensors, walked), max_norm, policy, exact_norms_for(exact));
 }
 
 void multi_tensor_clamp_cuda_split(at::TensorList tensors, const Split& walked, double min, double max) {
@@ -433,9 +499,25 @@ TORCH_LIBRARY_IMPL(torchclip, CUDA, m) {
 // torchclip._cuda is a Python extension module so that `import` can load it; loading it runs the
 // registration above (into the library torchclip._C defines, so _C is imported first). Its one name,
 // split_ops, is the capsule torchclip._ops hands to _C for the walk.
+namespace {
+// set_exact_norms(enabled): this library's copy of the process-wide exact-norm setting (op_shared.h), set
+// by torchclip.set_exact_norm beside _C's; returns the previous setting.
+PyObject* set_exact_norms(PyObject* /*module*/, PyObject* enabled) {
+  const int truth = PyObject_IsTrue(enabled);
+  if (truth < 0) {
+    return nullptr;
+  }
+  return PyBool_FromLong(torchclip::exact_norms_setting().exchange(truth != 0));
+}
+
+PyMethodDef methods[] = {
+    {"set_exact_norms", &set_exact_norms, METH_O, "Exact p = 1 and 2 norms on CUDA from now on (or not)."},
+    {nullptr, nullptr, 0, nullptr}};
+}  // namespace
+
 PyMODINIT_FUNC PyInit__cuda(void) {
   static PyModuleDef module = {PyModuleDef_HEAD_INIT, "torchclip._cuda",
-      "torchclip's CUDA kernels, registered with the dispatcher on import.", -1, nullptr, nullptr, nullptr, nullptr,
+      "torchclip's CUDA kernels, registered with the dispatcher on import.", -1, methods, nullptr, nullptr, nullptr,
       nullptr};
   PyObject* created = PyModule_Create(&module);
   if (created == nullptr) {

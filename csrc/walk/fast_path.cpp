@@ -9,7 +9,7 @@
 
 #include "cpu/ops_cpu.h"
 #include "cuda_split_ops.h"
-#include "op_shared.h"
+#include "op_shared.h"  // exact_norms_for
 #include "walk/param_walk.h"
 
 namespace torchclip::walk {
@@ -57,11 +57,9 @@ py::object wrap(at::Tensor tensor) {
 
 // Runs the op on the gathered tensors, its implementation for their device (the CPU's, or CUDA's
 // through CudaSplitOps) called directly on the walk's split, under a profiler event with the op's
-// name (what the dispatcher would record). Without the GIL when the tensors are owned. `exact`: the
-// call's own exact argument, which CUDA refuses when True (op_shared.h).
+// name (what the dispatcher would record). Without the GIL when the tensors are owned.
 template <typename OnCpu, typename OnCuda>
-auto run(const GatheredTensors& gathered, const char* op, const OnCpu& on_cpu, const OnCuda& on_cuda,
-    std::optional<bool> exact = std::nullopt) {
+auto run(const GatheredTensors& gathered, const char* op, const OnCpu& on_cpu, const OnCuda& on_cuda) {
   std::optional<py::gil_scoped_release> no_gil;
   if (gathered.may_release_gil()) {
     no_gil.emplace();
@@ -70,7 +68,6 @@ auto run(const GatheredTensors& gathered, const char* op, const OnCpu& on_cpu, c
   if (gathered.on_cpu()) {
     return on_cpu(gathered.tensors(), gathered.split());
   }
-  check_exact_available(exact, gathered.tensors()[0].device(), op);
   return on_cuda(cuda_ops(), gathered.tensors(), gathered.split());
 }
 
@@ -100,9 +97,8 @@ py::object total_norm_of_plain(py::handle tensors, py::handle norm_type_arg, py:
         return total_norm_cpu_split(list, split, *norm_type, nonfinite_raises, exact_norms_for(exact));
       },
       [&](const CudaSplitOps& cuda, at::TensorList list, const Split& split) {
-        return cuda.total_norm(list, split, *norm_type, nonfinite_raises);
-      },
-      exact));
+        return cuda.total_norm(list, split, *norm_type, nonfinite_raises, exact);
+      }));
 }
 
 py::object clip_grad_norm_of_plain(py::handle parameters, py::handle max_norm_arg, py::handle norm_type_arg,
@@ -124,9 +120,8 @@ py::object clip_grad_norm_of_plain(py::handle parameters, py::handle max_norm_ar
       },
       [&](const CudaSplitOps& cuda, at::TensorList list, const Split& split) {
         return cuda.clip_grad_norm_(list, split, *max_norm, *norm_type, nonfinite_raises, eps, norm_at_least_float32,
-            nonfinite, kept);
-      },
-      exact);
+            nonfinite, exact, kept);
+      });
   grads.bump_versions();
   if (keep_stats) {
     return py::make_tuple(wrap(std::move(total)), wrap(std::move(stats.norms)), wrap(std::move(stats.coefficient)));
@@ -146,9 +141,8 @@ py::object clip_by_tensor_norm_of_plain(py::handle parameters, double max_norm, 
         return clip_by_tensor_norm_cpu_split(list, split, max_norm, nonfinite, exact_norms_for(exact));
       },
       [&](const CudaSplitOps& cuda, at::TensorList list, const Split& split) {
-        return cuda.clip_by_tensor_norm_(list, split, max_norm, nonfinite);
-      },
-      exact);
+        return cuda.clip_by_tensor_norm_(list, split, max_norm, nonfinite, exact);
+      });
   grads.bump_versions();
   return wrap(std::move(norms));
 }
