@@ -205,8 +205,10 @@ __device__ void exact_chunk(const Table& table, int t, int64_t chunk, long long*
   if (threadIdx.x == 0 && flags != 0) {
     atomicOr(reinterpret_cast<unsigned long long*>(tensor_digits + kDigits), static_cast<unsigned long long>(flags));
   }
-  // The tensor's last block rounds its sum: publish the digits before counting in.
+  // The tensor's last block rounds its sum: every thread's additions are published before the block
+  // counts in, so whoever sees the final count sees every block's digits.
   __shared__ bool last;
+  __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
