@@ -498,6 +498,12 @@ def exact_worker(rank, world, init_method):
                 assert torch.equal(got, expected), (dim, norm_type)
                 for p, q in zip(params, reference):
                     assert torch.equal(p.grad.full_tensor(), q.grad), (dim, norm_type)
+        # A complex piece on the first rank only: every rank still takes the same collective.
+        z = torch.complex(torch.randn(50, generator=torch.Generator().manual_seed(1)), torch.ones(50))
+        mine = [z] if rank == 0 else []
+        got = torchclip.get_total_norm([*mine, full[0]], 1.0, process_group=dist.group.WORLD, exact=True)
+        ones = [full[0]] * world  # every rank's full[0], as one process sees them
+        assert got.item() == torchclip.get_total_norm([z, *ones], 1.0, exact=True).item()
         params = dtensor_parameters(full, mesh, [[Shard(1 if g.dim() > 1 else 0)] for g in full])
         clip = torchclip.ClipGradByGlobalNorm(0.5, exact=True)
         clip(params)

@@ -154,11 +154,6 @@ def _exact_norms(shards: Shards, norm_type: float, per_tensor: bool) -> tuple[Te
     return total, (_ops.norms_of_exact_sums(rows, norm_type) if per_tensor else None)
 
 
-def _exactly_summed(shards: Shards, norm_type: float) -> bool:
-    """Whether exact norms apply: orders 1 and 2, and no complex piece for order 1 (|z| is not exact)."""
-    return norm_type == 2.0 or (norm_type == 1.0 and not any(t.is_complex() for t in shards.local))
-
-
 def sharded_norms(
     shards: Shards, norm_type: float, per_tensor: bool = False, exact: bool = False
 ) -> tuple[Tensor, Tensor | None]:
@@ -173,7 +168,9 @@ def sharded_norms(
             "per_tensor: per-tensor norms need every rank to hold pieces of the same gradients "
             "in the same order (DTensor gradients do; hand-sharded lists need not)"
         )
-    if exact and _exactly_summed(shards, norm_type):
+    # Decided by the order alone, so every rank takes the same collective (a complex piece's 1-norm
+    # enters its rank's exact sum as a float64 value).
+    if exact and norm_type in (1.0, 2.0):
         return _exact_norms(shards, norm_type, per_tensor)
     local = _local_norms(shards, norm_type)
     if per_tensor or (norm_type == 0.0 and shards.aligned):

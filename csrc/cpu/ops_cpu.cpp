@@ -124,28 +124,39 @@ double exact_norm_of(const ExactSum& sum, int32_t flags, NormKind kind) {
                               : sum.sqrt_rounded();
 }
 
-// Exact norms (p = 1, 2): the kernels' exact sums over every tensor. A list holding an inexact tensor
-// keeps float64 arithmetic for the total. Without per_tensor, only the total is wanted: the per-tensor
-// norms are left 0 where the total does not need them.
+// An inexact tensor's p = 1 norm (float64, by ATen) into an exact sum of |x| terms, as one more term:
+// the sum stays one function of the terms, and ranks holding such a piece exchange the same rows.
+double add_inexact_norm(const at::Tensor& t, ExactSum& sum, int32_t& flags) {
+  const double norm = aten_norm(t, 1.0);
+  if (std::isnan(norm)) {
+    flags |= 1;
+  } else if (std::isinf(norm)) {
+    flags |= 2;
+  } else {
+    sum.add(norm);
+  }
+  return norm;
+}
+
+// Exact norms (p = 1, 2): the kernels' exact sums over every tensor, a complex tensor's 1-norm (not a
+// sum of exact terms) entering as its float64 value. Without per_tensor, only the total is wanted: the
+// per-tensor norms of the kernels' tensors are left 0.
 WideNorms exact_norms_wide(at::TensorList tensors, const Split& split, double ord, bool per_tensor) {
   const NormKind kind = exact_kind(ord);
   const ExactInput input = exact_input(tensors, split, kind);
   WideNorms out{std::vector<double>(tensors.size()), std::nullopt};
-  for (int64_t i : input.inexact) {
-    out.norms[i] = aten_norm(tensors[i], ord);
-  }
   std::vector<double> span_norms(input.spans.size());
   ExactSum total;
   int32_t flags = 0;
-  const bool norms_needed = per_tensor || !input.inexact.empty();
   cpu_kernels().exact_norms(input.spans.data(), static_cast<int64_t>(input.spans.size()), kind,
-      norms_needed ? span_norms.data() : nullptr, &total, &flags);
+      per_tensor ? span_norms.data() : nullptr, &total, &flags);
   for (size_t k = 0; k < input.spans.size(); ++k) {
     out.norms[input.sources[k]] = span_norms[k];
   }
-  if (input.inexact.empty()) {
-    out.exact_total = exact_norm_of(total, flags, kind);
+  for (int64_t i : input.inexact) {
+    out.norms[i] = add_inexact_norm(tensors[i], total, flags);
   }
+  out.exact_total = exact_norm_of(total, flags, kind);
   return out;
 }
 
@@ -275,9 +286,6 @@ at::Tensor exact_sums_cpu(at::TensorList tensors, double ord, bool per_tensor) {
   check_norm_inputs(tensors, split.aten_path, ord, op);
   const NormKind kind = exact_kind(ord);
   const ExactInput input = exact_input(tensors, split, kind);
-  TORCH_CHECK_VALUE(input.inexact.empty(), op, ": tensors[", input.inexact.empty() ? 0 : input.inexact[0],
-      "] has dtype ", tensors[input.inexact.empty() ? 0 : input.inexact[0]].scalar_type(), ", whose norm of order ",
-      python_float(ord), " is not a sum of exact terms");
   const int64_t rows = per_tensor ? static_cast<int64_t>(tensors.size()) : 1;
   at::Tensor out = at::zeros({rows, kExactSumColumns}, at::kLong);
   int64_t* const data = out.data_ptr<int64_t>();
@@ -292,6 +300,9 @@ at::Tensor exact_sums_cpu(at::TensorList tensors, double ord, bool per_tensor) {
     int32_t flags = 0;
     cpu_kernels().exact_norms(input.spans.data(), static_cast<int64_t>(input.spans.size()), kind, nullptr, &total,
         &flags);
+    for (int64_t i : input.inexact) {
+      add_inexact_norm(tensors[i], total, flags);
+    }
     write_row(0, total, flags);
     return out;
   }
@@ -300,6 +311,12 @@ at::Tensor exact_sums_cpu(at::TensorList tensors, double ord, bool per_tensor) {
     int32_t flags = 0;
     cpu_kernels().exact_norms(&input.spans[k], 1, kind, nullptr, &sum, &flags);
     write_row(input.sources[k], sum, flags);
+  }
+  for (int64_t i : input.inexact) {
+    ExactSum sum;
+    int32_t flags = 0;
+    add_inexact_norm(tensors[i], sum, flags);
+    write_row(i, sum, flags);
   }
   return out;
 }

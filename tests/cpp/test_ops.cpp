@@ -59,11 +59,12 @@ int main(int argc, char** argv) {
 
   auto norm_op = c10::Dispatcher::singleton()
                      .findSchemaOrThrow("torchclip::multi_tensor_norm", "")
-                     .typed<std::tuple<at::Tensor, at::Tensor>(at::TensorList, double, bool)>();
+                     .typed<std::tuple<at::Tensor, at::Tensor>(at::TensorList, double, bool, std::optional<bool>,
+                         std::optional<at::ScalarType>)>();
   auto clip_op = c10::Dispatcher::singleton()
                      .findSchemaOrThrow("torchclip::clip_grad_norm_", "")
                      .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(at::TensorList, double, double, bool, double,
-                         bool, c10::string_view)>();
+                         bool, c10::string_view, std::optional<bool>)>();
   auto clamp_op = c10::Dispatcher::singleton()
                       .findSchemaOrThrow("torchclip::multi_tensor_clamp_", "")
                       .typed<void(at::TensorList, double, double)>();
@@ -73,7 +74,8 @@ int main(int argc, char** argv) {
     const double tolerance = (dtype == at::kHalf || dtype == at::kBFloat16) ? 1e-2 : 1e-6;
     for (double ord : {1.0, 2.0, static_cast<double>(INFINITY), 3.0}) {
       auto tensors = sample(dtype);
-      const double got = std::get<0>(norm_op.call(tensors, ord, false)).to(at::kDouble).item<double>();
+      const double got =
+          std::get<0>(norm_op.call(tensors, ord, false, std::nullopt, std::nullopt)).to(at::kDouble).item<double>();
       const double want = reference_total_norm(tensors, ord);
       expect(std::abs(got - want) <= tolerance * std::abs(want),
           name + " norm ord=" + std::to_string(ord) + ": " + std::to_string(got) + " vs " + std::to_string(want));
@@ -87,7 +89,7 @@ int main(int argc, char** argv) {
       }
       const double coefficient = std::min(1.0 / (total + 1e-6), 1.0);
       const auto [clipped_total, norms, kept_coefficient] =
-          clip_op.call(tensors, 1.0, 2.0, false, 1e-6, false, "propagate");
+          clip_op.call(tensors, 1.0, 2.0, false, 1e-6, false, "propagate", std::nullopt);
       bool close = true;
       for (size_t i = 0; i < tensors.size(); ++i) {
         close &= at::allclose(tensors[i].to(at::kDouble), expected[i], tolerance, 1e-7);
@@ -110,6 +112,12 @@ int main(int argc, char** argv) {
         equal &= at::equal(tensors[i], expected[i]);
       }
       expect(equal, name + " multi_tensor_clamp_ equals at::clamp");
+    }
+    {
+      // Exact norms: ones squared sum to an integer, whose correctly rounded root IEEE sqrt gives.
+      const std::vector<at::Tensor> ones = {at::ones({1000}, dtype), at::ones({3001}, dtype)};
+      const at::Tensor exact = std::get<0>(norm_op.call(ones, 2.0, false, true, at::kDouble));
+      expect(exact.item<double>() == std::sqrt(4001.0), name + " exact norm of 4,001 ones is sqrt(4001) rounded once");
     }
   }
   std::cout << (failures == 0 ? "all passed" : std::to_string(failures) + " failed") << "\n";
