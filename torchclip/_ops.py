@@ -145,9 +145,12 @@ def set_exact_norm(enabled: bool) -> bool:
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"set_exact_norm: enabled must be a bool, got {enabled!r}")
+    previous = _C.exact_norms_enabled()
+    # torchclip._cuda may hold a copy of the setting of its own (op_shared.h), or share _C's.
     if _C.cuda_built():
-        _cuda.set_exact_norms(enabled)  # (torchclip._cuda keeps its own copy of the setting)
-    return _C.set_exact_norms(enabled)
+        _cuda.set_exact_norms(enabled)
+    _C.set_exact_norms(enabled)
+    return previous
 
 
 def get_exact_norm() -> bool:
