@@ -78,7 +78,7 @@ class Gradients:
         """Each tensor's `ord`-norm in float64: one fused pass on KERNELS; the global norm of each
         sharded tensor on DTENSOR_SHARDS (float64 on the CPU, the same on every rank); else one norm per
         tensor on the first tensor's device, differentiable (complex128 for complex data; sparse COO by
-        its values). exact: exact norms (None: the process-wide setting; True refused off the CPU)."""
+        its values). exact: exact norms (None: the process-wide setting; see refuse_exact)."""
         return self._norms(ord, exact, with_total=False)[0]
 
     def norms(self, ord: float = 2.0, exact: bool | None = None) -> tuple[Tensor, Tensor]:
@@ -106,15 +106,15 @@ class Gradients:
         return norms, (torch.linalg.vector_norm(norms, ord) if with_total else None)
 
     def refuse_exact(self, exact: bool | None) -> None:
-        """exact=True where the norm would not be exact (gradients off the CPU, subclasses): a ValueError,
+        """exact=True where the norm would not be exact (torch's own ops: tensors autograd
+        tracks, subclasses, CUDA DTensors; CUDA sparse tensors): a ValueError,
         before anything is read or written."""
         if exact is True and (
             self.route is Route.TORCH or (self.route is Route.SPARSE and not _sparse.on_cpu(self.tensors))
         ):
-            where = sorted({f"{type(t).__name__} on {t.device}" for t in self.tensors})
             raise ValueError(
                 "exact=True: exact norms are taken of plain CPU and CUDA tensors that autograd does not track, "
-                f"CPU sparse tensors and CPU shards; got {where}"
+                f"CPU sparse tensors and CPU shards; got {kinds_of(self.tensors)}"
             )
 
     def sharded_total_norm(self, ord: float, error_if_nonfinite: bool, exact: bool | None = None) -> Tensor:
@@ -142,6 +142,11 @@ class Gradients:
             return
         for t in self.tensors:
             (_sparse.clamp_ if _sparse.is_sparse(t) else Tensor.clamp_)(t, lo, hi)
+
+
+def kinds_of(tensors: Sequence[Tensor]) -> list[str]:
+    """What a refusal names: each distinct tensor type and device ("Tensor on cuda:0")."""
+    return sorted({f"{type(t).__name__} on {t.device}" for t in tensors})
 
 
 def _tracked(tensors: Sequence[Tensor]) -> bool:

@@ -139,7 +139,7 @@ def get_total_norm(
             the norm of all of them, the same on every rank (one all_gather of one scalar).
         exact: torchclip only: for p = 1 and 2, the true norm rounded once, the same bits for any thread
             count, list order, views or shards (None: `torchclip.set_exact_norm`'s setting; True raises
-            for gradients off the CPU).
+            where torch's own ops would take them: tensors autograd tracks, subclasses, CUDA DTensors).
 
     Returns:
         The total norm, a 0-d tensor.
@@ -295,7 +295,8 @@ def clip_grad_norm_(
             norm and clips with the same coefficient, at the cost of one all_gather of one scalar.
         exact: torchclip only: for p = 1 and 2, the true norm rounded once, so the norm and the clipped
             gradients are the same bits for any thread count, list order or sharding (None:
-            `torchclip.set_exact_norm`'s setting; True raises for gradients off the CPU).
+            `torchclip.set_exact_norm`'s setting; True raises where torch's own ops
+            would take them: tensors autograd tracks, subclasses, CUDA DTensors).
 
     Returns:
         The total norm of the gradients before clipping, a 0-d tensor in their promoted dtype.

@@ -25,7 +25,8 @@ def grad_norm(
         norm_type: the order p, a number > 0 or 'inf'.
         group_separator: between the prefix and the parameter's name in each key.
         exact: torchclip only: for p = 1 and 2, every norm and the total the true value rounded once
-            (None: `torchclip.set_exact_norm`'s setting; True raises for gradients off the CPU).
+            (None: `torchclip.set_exact_norm`'s setting; True raises where torch's own ops
+            would take them).
 
     Returns:
         `{"grad_{p}_norm{sep}{name}": norm, ..., "grad_{p}_norm_total": total}` (p as a float), 0-d CPU

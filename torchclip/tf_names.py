@@ -127,7 +127,7 @@ def clip_by_norm(
         axes: None for the whole tensor's L2 norm; an int or list of ints: the norms over those
             dimensions, one per remaining slice, each slice clipped by its own.
         exact: torchclip only: the norm the true value rounded once (None: `torchclip.set_exact_norm`'s
-            setting; True raises for tensors off the CPU or that autograd tracks, and with axes).
+            setting; True raises for tensors autograd tracks, and with axes).
 
     Returns:
         A new tensor of t's dtype; a zero tensor stays zero.
@@ -182,7 +182,7 @@ def global_norm(t_list: Sequence[Tensor | None], *, exact: bool | None = None) -
     Args:
         t_list: a list or tuple of tensors; None entries are ignored.
         exact: torchclip only: the norm the true value rounded once (None: `torchclip.set_exact_norm`'s
-            setting; True raises for tensors off the CPU or that autograd tracks).
+            setting; True raises for tensors autograd tracks).
 
     Returns:
         A 0-d tensor in the tensors' promoted (real) dtype, accumulated in float64; 0 when there are none.
@@ -218,7 +218,7 @@ def clip_by_global_norm(
         clip_norm: the largest global norm, a number or a 0-d tensor, finite and > 0.
         use_norm: a number or 0-d tensor taken as the global norm instead of computing it.
         exact: torchclip only: the norm the true value rounded once (None: `torchclip.set_exact_norm`'s
-            setting; True raises for tensors off the CPU or that autograd tracks).
+            setting; True raises for tensors autograd tracks).
 
     Returns:
         (list_clipped, global_norm): the new tensors, and the global norm (use_norm as it was given).

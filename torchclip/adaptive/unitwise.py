@@ -9,7 +9,7 @@ from torch import Tensor
 
 from torchclip import _ops
 from torchclip._arguments import _policy
-from torchclip._gradients import Gradients, Route
+from torchclip._gradients import Gradients, Route, kinds_of
 from torchclip.adaptive._state import _check_positive, _NonfiniteGate, _targets_and_norms
 from torchclip.clip_base import ClipGradBase
 
@@ -81,7 +81,7 @@ class ClipGradByUnitwiseNorm(_NonfiniteGate, ClipGradBase):
         if self.exact and self.norm_type in (1.0, 2.0) and not on_kernels:
             raise ValueError(
                 "ClipGradByUnitwiseNorm: exact=True: unit norms are taken exactly of plain CPU tensors only so "
-                f"far; got {sorted({f'{type(g).__name__} on {g.device}' for g in grads})}"
+                f"far; got {kinds_of(grads)}"
             )
         if self.nonfinite != "propagate" and not self._admits(_targets_and_norms(grads, self.exact)[1]):
             return
