@@ -85,7 +85,7 @@ class ExactSum {
   }
 
   // mantissa * 2^exponent (mantissa < 2^110, exponent >= -kBias) as kParts values below 2^32 (the last
-  // below 2^46) to add to digits first, first + 1, ...; returns first. What add_scaled adds, for callers
+  // below 2^13) to add to digits first, first + 1, ...; returns first. What add_scaled adds, for callers
   // that add into digits of their own (the CUDA kernels' atomics).
   static constexpr int kParts = 5;
   TORCHCLIP_HOST_DEVICE static int digit_parts(unsigned __int128 mantissa, int exponent, uint64_t* parts) {
@@ -140,7 +140,8 @@ class ExactSum {
     }
   }
 
-  // The sum whose digits are `digits` (non-negative; carries not yet propagated allowed).
+  // The sum (>= 0) whose digits are `digits`, carries not yet propagated: a digit may be negative or above
+  // 2^32 (the CUDA kernels' level sums), as long as the value they weigh is not.
   TORCHCLIP_HOST_DEVICE static ExactSum from_digits(const int64_t* digits) {
     ExactSum sum;
     int bottom = 0, top = kDigits - 1;

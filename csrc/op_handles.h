@@ -58,4 +58,17 @@ inline const auto& adam_step_() {
   return op;
 }
 
+inline const auto& sgd_step_() {
+  static const auto op = find<at::Tensor(at::TensorList, at::TensorList, at::TensorList, double, double, double, double,
+      bool, bool, bool, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>("torchclip::sgd_step_");
+  return op;
+}
+
+inline const auto& adagrad_step_() {
+  static const auto op = find<at::Tensor(at::TensorList, at::TensorList, at::TensorList, at::TensorList, double, double,
+      double, double, bool, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>(
+      "torchclip::adagrad_step_");
+  return op;
+}
+
 }  // namespace torchclip::op_handles

@@ -55,6 +55,19 @@ TORCH_LIBRARY(torchclip, m) {
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] state_steps, *, float lr, float beta1, float beta2, "
       "float weight_decay, float eps, bool amsgrad, bool maximize, bool decoupled_weight_decay, "
       "Tensor? grad_scale=None, Tensor? found_inf=None) -> Tensor");
+  // One step of torch.optim.SGD with torch's fused CPU arithmetic, read-only on the gradients and declining
+  // as adam_step_ does; momentum_buffers is empty when momentum is 0, and is_first_step starts each buffer
+  // as its (decayed) gradient.
+  m.def(
+      "sgd_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, *, float lr, "
+      "float weight_decay, float momentum, float dampening, bool nesterov, bool maximize, bool is_first_step, "
+      "Tensor? grad_scale=None, Tensor? found_inf=None) -> Tensor");
+  // One step of torch.optim.Adagrad with torch's fused CPU arithmetic, state_steps counted up by one first,
+  // read-only on the gradients and declining as adam_step_ does.
+  m.def(
+      "adagrad_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state_sums, Tensor(c!)[] state_steps, *, "
+      "float lr, float lr_decay, float weight_decay, float eps, bool maximize, Tensor? grad_scale=None, "
+      "Tensor? found_inf=None) -> Tensor");
 }
 
 // Lazily negated or conjugated views reach the kernels as they are: the kernels send every such view
@@ -63,7 +76,7 @@ TORCH_LIBRARY(torchclip, m) {
 namespace {
 void fall_through_every_op(torch::Library& m) {
   for (const char* op : {"multi_tensor_norm", "multi_tensor_scale_", "multi_tensor_clamp_", "clip_grad_norm_",
-           "clip_by_tensor_norm_", "unitwise_clip_", "adam_step_"}) {
+           "clip_by_tensor_norm_", "unitwise_clip_", "adam_step_", "sgd_step_", "adagrad_step_"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

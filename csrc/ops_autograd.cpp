@@ -116,6 +116,8 @@ void for_each_writing_op(const Visit& visit) {
   // stepped: reading the flag here would be data-dependent under tracing, and an extra bump only says
   // "maybe modified".
   visit("adam_step_", Writes<op_handles::adam_step_, 0, 2, 3, 4, 5>{});
+  visit("sgd_step_", Writes<op_handles::sgd_step_, 0, 2>{});                // params, momentum_buffers
+  visit("adagrad_step_", Writes<op_handles::adagrad_step_, 0, 2, 3>{});  // params, state_sums, state_steps
 }
 
 }  // namespace

@@ -37,6 +37,30 @@ def adam_step_arguments():
     }
 
 
+def sgd_step_arguments():
+    return {
+        "lr": 1e-2,
+        "weight_decay": 0.1,
+        "momentum": 0.9,
+        "dampening": 0.0,
+        "nesterov": True,
+        "maximize": False,
+        "is_first_step": False,
+        "grad_scale": torch.tensor(2.0),
+    }
+
+
+def adagrad_step_arguments():
+    return {
+        "lr": 1e-2,
+        "lr_decay": 0.01,
+        "weight_decay": 0.1,
+        "eps": 1e-10,
+        "maximize": False,
+        "grad_scale": torch.tensor(2.0),
+    }
+
+
 OPCHECK_CASES = {
     "multi_tensor_norm": lambda: ((tensor_list(torch.float32)[1:5], 2.0, False),),
     "multi_tensor_scale_": lambda: (
@@ -78,6 +102,23 @@ OPCHECK_CASES = {
             [],
             [torch.tensor(0.0), torch.tensor(4.0)],
             adam_step_arguments(),
+        ),
+    ),
+    "sgd_step_": lambda: (
+        (
+            [make_tensor((5, 7), torch.float32, 1), make_tensor((3,), torch.bfloat16, 2)],
+            [make_tensor((5, 7), torch.float32, 3), make_tensor((3,), torch.bfloat16, 4)],
+            [torch.zeros(5, 7), torch.zeros(3, dtype=torch.bfloat16)],
+            sgd_step_arguments(),
+        ),
+    ),
+    "adagrad_step_": lambda: (
+        (
+            [make_tensor((5, 7), torch.float64, 1), make_tensor((3,), torch.float32, 2)],
+            [make_tensor((5, 7), torch.float64, 3), make_tensor((3,), torch.float32, 4)],
+            [torch.zeros(5, 7, dtype=torch.float64), torch.zeros(3)],
+            [torch.tensor(0.0), torch.tensor(4.0)],
+            adagrad_step_arguments(),
         ),
     ),
 }
@@ -211,6 +252,18 @@ def _adam_lists(kind):
     )
 
 
+def _sgd_lists(kind):
+    params, grads = _listed(kind, (5, 7)), _listed(kind, (5, 7), seed=3)
+    buffers = [torch.zeros(5, 7, dtype=torch.float32 if kind == "neg" else torch.complex64), torch.zeros(5)]
+    return (params, grads, buffers), sgd_step_arguments()
+
+
+def _adagrad_lists(kind):
+    params, grads = _listed(kind, (5, 7)), _listed(kind, (5, 7), seed=3)
+    sums = [torch.zeros(5, 7, dtype=torch.float32 if kind == "neg" else torch.complex64), torch.zeros(5)]
+    return (params, grads, sums, [torch.tensor(0.0), torch.tensor(4.0)]), adagrad_step_arguments()
+
+
 # Each op's arguments (args, kwargs) with a view of `kind` in every tensor list, against which
 # test_views_fall_through runs the op and the op on materialised copies. One entry per op
 # (tests/test_op_registry.py checks).
@@ -222,6 +275,8 @@ NEG_CONJ_CASES = {
     "clip_by_tensor_norm_": lambda kind: ((_listed(kind), 0.5), {}),
     "unitwise_clip_": lambda kind: ((_listed(kind, (5, 7)), _listed(kind, (5, 7), seed=3), 0.01, 1e-3, 2.0), {}),
     "adam_step_": _adam_lists,
+    "sgd_step_": _sgd_lists,
+    "adagrad_step_": _adagrad_lists,
 }
 
 
@@ -242,7 +297,7 @@ def test_views_fall_through(cpu_capability, name, kind):
         _assert_same(_materialised(args), before)
         return
     result = op(*args, **kwargs)
-    if name == "adam_step_" and not result:  # declined, for the caller to take torch's step: nothing written
+    if name.endswith("_step_") and not result:  # declined, for the caller to take torch's step: nothing written
         _assert_same(_materialised(args), before)
         return
     _assert_same(result, expected)

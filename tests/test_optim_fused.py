@@ -7,7 +7,15 @@ import math
 
 import pytest
 import torch
-from testing import assert_close_rel, clip_by_hand, clone_params, cuda_only, device_params, no_host_sync
+from testing import (
+    assert_close_rel,
+    clip_by_hand,
+    clone_params,
+    cuda_only,
+    device_params,
+    no_host_sync,
+    torch_fused_sgd_steps_16_bit_vectors,
+)
 
 import torchclip
 import torchclip.clip as clip_module
@@ -31,8 +39,8 @@ FUSED = {
     "Adagrad": {"lr": 1e-2},
 }
 
-# torchclip.optim's Adam and AdamW fold the clip into torchclip.adam_step_, which never writes the gradients.
-READ_ONLY_STEP = {"Adam", "AdamW"} if torchclip._adam_step.AVAILABLE else set()
+# The optimizers torchclip.optim folds the clip into a read-only step for (adam_step_, sgd_step_, adagrad_step_).
+READ_ONLY_STEP = {optimizer_class.__name__ for optimizer_class in torchclip._read_only_step.STEPS}
 
 
 @pytest.fixture(autouse=True)
@@ -79,10 +87,11 @@ def test_folded_step_is_clip_then_step(name, dtype, monkeypatch):
     optimizer = getattr(torchclip.optim, name)(
         ours, fused=True, grad_clip=ClipGradByGlobalNorm(clip_norm), **FUSED[name]
     )
-    reference = getattr(torch.optim, name)(theirs, fused=True, **FUSED[name])
+    sgd_skips_vectors = name == "SGD" and dtype != torch.float32 and not torch_fused_sgd_steps_16_bit_vectors()
+    reference = getattr(torch.optim, name)(theirs, fused=not sgd_skips_vectors, **FUSED[name])
     # A fused step torch does not mark as reading grad_scale (_step_supports_amp_scaling: Adagrad on torch 2.11)
     # is not folded into: the clip runs in place, and must give the same steps.
-    if clip_optim._steps_fused(reference):
+    if clip_optim._steps_fused(optimizer):
         refuse_in_place_clip(monkeypatch)
     for grads in gradient_steps(ours, steps):
         for p, q, g in zip(ours, theirs, grads):
@@ -96,7 +105,7 @@ def test_folded_step_is_clip_then_step(name, dtype, monkeypatch):
         torch.testing.assert_close(clip.last_norms, norms, rtol=1e-6, atol=0)
         torch.testing.assert_close(clip.last_clip_coef, clip_norm / torch.clamp(norm, min=clip_norm), rtol=1e-5, atol=0)
         for p, q, g in zip(ours, theirs, grads):
-            if name in READ_ONLY_STEP:  # torchclip.adam_step_ only reads them: as backward left them
+            if name in READ_ONLY_STEP:  # torchclip's read-only step: as backward left them
                 assert torch.equal(p.grad, g)
             else:  # torch's kernels write back the clipped values, as clip-then-step leaves them
                 torch.testing.assert_close(p.grad, q.grad, **TOLERANCE[dtype])

@@ -125,6 +125,15 @@ def device_params(dtype, device, seed, scale=1.0, sizes=(1000, 65537, 7, 300001)
     return make_params([((n,), dtype) for n in sizes], seed, scale, device=device)
 
 
+def torch_fused_sgd_steps_16_bit_vectors() -> bool:
+    """Whether torch's fused CPU SGD steps whole float16/bfloat16 vectors: before 2.14 it left them as they
+    were and stepped only the tail (pytorch#191763), so a 16-bit reference there is its non-fused step."""
+    p = torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
+    p.grad = torch.ones_like(p)
+    torch.optim.SGD([p], lr=0.5, fused=True).step()
+    return bool((p == 0.5).all())
+
+
 def cuda_only(test):
     """A test of something only CUDA has (streams, graphs, host synchronisation, the CPU-versus-CUDA
     agreement): skipped without a GPU, selected by `pytest -m cuda`."""

@@ -351,9 +351,92 @@ def adam_step_(
     )
 
 
+def _stepped_fake(params):
+    """The fused steps' fake result: a 0-d bool beside the parameters."""
+    return params[0].new_empty((), dtype=torch.bool) if params else torch.empty((), dtype=torch.bool)
+
+
 @torch.library.register_fake("torchclip::adam_step_")
 def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, **hyperparameters):
-    return params[0].new_empty((), dtype=torch.bool) if params else torch.empty((), dtype=torch.bool)
+    return _stepped_fake(params)
+
+
+def sgd_step_(
+    params,
+    grads,
+    momentum_buffers,
+    *,
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    dampening: float,
+    nesterov: bool,
+    maximize: bool,
+    is_first_step: bool,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> bool:
+    """One SGD step with torch's fused CPU arithmetic that only reads the gradients (divided by grad_scale);
+    False, with nothing written, where the kernels do not walk the lists."""
+    return bool(
+        _ops.sgd_step_(
+            params,
+            grads,
+            momentum_buffers,
+            lr=float(lr),
+            weight_decay=float(weight_decay),
+            momentum=float(momentum),
+            dampening=float(dampening),
+            nesterov=bool(nesterov),
+            maximize=bool(maximize),
+            is_first_step=bool(is_first_step),
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+        )
+    )
+
+
+@torch.library.register_fake("torchclip::sgd_step_")
+def _sgd_step_fake(params, grads, momentum_buffers, **hyperparameters):
+    return _stepped_fake(params)
+
+
+def adagrad_step_(
+    params,
+    grads,
+    state_sums,
+    state_steps,
+    *,
+    lr: float,
+    lr_decay: float,
+    weight_decay: float,
+    eps: float,
+    maximize: bool,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> bool:
+    """One Adagrad step with torch's fused CPU arithmetic that only reads the gradients (divided by
+    grad_scale); False, with nothing written, where the kernels do not walk the lists."""
+    return bool(
+        _ops.adagrad_step_(
+            params,
+            grads,
+            state_sums,
+            state_steps,
+            lr=float(lr),
+            lr_decay=float(lr_decay),
+            weight_decay=float(weight_decay),
+            eps=float(eps),
+            maximize=bool(maximize),
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+        )
+    )
+
+
+@torch.library.register_fake("torchclip::adagrad_step_")
+def _adagrad_step_fake(params, grads, state_sums, state_steps, **hyperparameters):
+    return _stepped_fake(params)
 
 
 # The devices whose kernels were built: the CPU always, CUDA when torchclip._cuda was (setup.py).

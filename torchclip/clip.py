@@ -351,18 +351,26 @@ class ClipGradByGlobalNorm(ClipGradBase):
             gradients.scale_(coefficient)
 
     def fold_into_fused_step(
-        self, params, scaler_scale: Tensor | None, scaler_found: Tensor | None
+        self, params, scaler_scale: Tensor | None, scaler_found: Tensor | None, taken=None
     ) -> tuple[Tensor, Tensor | None] | None:
         """This clip handed to a fused optimizer step (torchclip.optim): the global norm of `params`'
         selected gradients, taken and written nowhere, turned into the (grad_scale, found_inf) the step's
         kernel divides each gradient by and skips on; None where the C++ walk declines (clip in place).
-        scaler_scale / scaler_found: GradScaler's, while the gradients are still scaled. Nothing is read
+        scaler_scale / scaler_found: GradScaler's, while the gradients are still scaled. taken: a
+        BackwardNorms whose measurements stand in for the walk's norms where it has them. Nothing is read
         back to the host, except to raise under nonfinite="raise"; the last_* statistics are kept."""
         if self.process_group is not None:
             return None  # sharded clipping needs the (param, grad) pairs: the Python walk, in place
         raises_here = self.nonfinite == "raise" and scaler_found is None
-        # max_norm = inf scales by exactly 1, which the kernels skip; a non-finite norm must not scale by NaN.
-        walked = _walk_by_global_norm(params, math.inf, "raise" if raises_here else "skip", self.exact)
+        # GradScaler.unscale_ before its step (found_inf without grad_scale) rewrote every gradient with a
+        # kernel that bumps no version counter: what backward measured is stale.
+        unscaled = scaler_found is not None and scaler_scale is None
+        walked = None if taken is None else taken.take(params, _ops.exact_norms(self.exact), stale=unscaled)
+        if walked is not None and raises_here and not bool(torch.isfinite(walked[0])):
+            raise _nonfinite_global_norm()
+        if walked is None:
+            # max_norm = inf scales by exactly 1, which the kernels skip; a non-finite norm must not scale by NaN.
+            walked = _walk_by_global_norm(params, math.inf, "raise" if raises_here else "skip", self.exact)
         if walked is None:
             return None
         norm, norms = walked[:2]

@@ -19,8 +19,8 @@ so there the clip runs in place), when one ClipGradByGlobalNorm serves every par
 1 / the coefficient to the fused kernel as its grad_scale (multiplied by GradScaler's scale, when the
 gradients are still scaled), and nonfinite="skip" as its found_inf: the kernel divides each gradient
 as it reads it, so the clip costs one read of the gradients and no host sync. torch's kernels write
-the clipped gradient back; torchclip.optim's Adam and AdamW on the CPU step with torchclip.adam_step_
-(torchclip/_adam_step.py), which leaves the gradients as they were. Other clips (per tensor, per
+the clipped gradient back; torchclip.optim's Adam, AdamW, SGD and Adagrad on the CPU step with
+torchclip's own fused kernels (torchclip/_read_only_step.py), which leave the gradients as they were. Other clips (per tensor, per
 element, excluded parameters) clip in place first; under GradScaler they unscale the gradients first,
 as scaler.unscale_ would.
 
@@ -45,9 +45,10 @@ import types
 import torch
 from torch import Tensor
 
-from torchclip import _adam_step
+from torchclip import _ops, _read_only_step
 from torchclip._arguments import _positive_finite
 from torchclip._plan import _GROUP_KEY, _check_clip, _clip_in_place, _Plan, _steps_fused
+from torchclip.backward_norm import BackwardNorms
 from torchclip.clip import ClipGradByGlobalNorm, ClipGradByNorm, ClipGradByValue
 from torchclip.clip_base import ClipGradBase, add_to_count
 
@@ -74,7 +75,7 @@ def _fused_step(optimizer, step, *, grad_scale, found_inf, read_only=False):
     """The one place a step is handed a grad_scale and found_inf: torch's fused optimizers take them only
     from the instance, so they are set for the call and then put back as they were (GradScaler deletes
     its own after the step). Going through the instance's step keeps its hooks and LR-scheduler wrappers.
-    read_only: grad_scale is a folded clip's, so torchclip's Adam / AdamW may take their read-only step,
+    read_only: grad_scale is a folded clip's, so torchclip's Adam, AdamW, SGD, Adagrad may take their read-only step,
     which leaves the gradients unclipped."""
     saved = {name: optimizer.__dict__[name] for name in _STEP_ATTRIBUTES if name in optimizer.__dict__}
     optimizer.grad_scale, optimizer.found_inf, optimizer._torchclip_read_only_step = grad_scale, found_inf, read_only
@@ -121,14 +122,15 @@ class _Attachment:
     rebuilds a copy with each attachment installed again on it (_rebuild_attached)."""
 
     # What a copy's attachment starts from; the wrapped step, the hooks and the plan are its optimizer's own.
-    _COPIED = ("clip", "_skipped_on_host", "_skipped_on_device", "enabled", "_removed")
+    _COPIED = ("clip", "_skipped_on_host", "_skipped_on_device", "enabled", "_removed", "_norm_in_backward")
 
-    def __init__(self, optimizer, clip):
+    def __init__(self, optimizer, clip, norm_in_backward=False):
         self.clip = clip
         self._skipped_on_host = 0
         self._skipped_on_device: Tensor | None = None  # folded steps' skips, never read during a step
         self.enabled = True
         self._removed = False
+        self._norm_in_backward = norm_in_backward
         self._install(optimizer)
 
     def _install(self, optimizer) -> None:
@@ -153,6 +155,8 @@ class _Attachment:
                 optimizer.register_load_state_dict_post_hook(_restore_clips),
             ]
         )
+        exact = _ops.exact_norms(getattr(self.clip, "exact", None))
+        self.backward_norms = BackwardNorms(optimizer, exact) if self._norm_in_backward and not self._removed else None
         optimizer.__dict__.setdefault("_torchclip_attachments", []).append(self)
         optimizer.__reduce_ex__ = types.MethodType(_reduce_attached, optimizer)  # (copy and pickle read the instance's)
 
@@ -192,13 +196,18 @@ class _Attachment:
         plan = self.plan_for(optimizer)
         if plan.folded is not None:
             folding = plan.folded.fold_into_fused_step(
-                plan.entries[0][1], getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None)
+                plan.entries[0][1],
+                getattr(optimizer, "grad_scale", None),
+                getattr(optimizer, "found_inf", None),
+                taken=self.backward_norms,
             )
             if folding is not None:
                 if plan.folded.nonfinite == "skip":
                     self._count_skips_on_device(plan.folded.found_nonfinite)
                 grad_scale, found_inf = folding
                 return _fused_step(optimizer, step, grad_scale=grad_scale, found_inf=found_inf, read_only=True)
+        if self.backward_norms is not None:
+            self.backward_norms.discard()  # (the clips below read the gradients themselves)
         if _steps_fused(optimizer):
             refusal = _clip_in_place(optimizer, plan, on_device=True)
             if refusal is None:
@@ -222,6 +231,9 @@ class _Attachment:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self.backward_norms is not None:
+            self.backward_norms.remove()
+            self.backward_norms = None
 
 
 def _reduce_attached(optimizer, protocol):
@@ -265,7 +277,9 @@ def _restore_clips(optimizer):
             group[_GROUP_KEY] = clip
 
 
-def attach(optimizer: torch.optim.Optimizer, grad_clip: ClipGradBase | None = None) -> _Attachment:
+def attach(
+    optimizer: torch.optim.Optimizer, grad_clip: ClipGradBase | None = None, *, norm_in_backward: bool = False
+) -> _Attachment:
     """Clip gradients before every `optimizer.step()` of an optimizer that already exists.
 
     Paddle configures clipping on the optimizer; this adds it to any torch optimizer instance. The clip
@@ -276,13 +290,16 @@ def attach(optimizer: torch.optim.Optimizer, grad_clip: ClipGradBase | None = No
         optimizer: the optimizer.
         grad_clip: the optimizer-wide clip; param groups may carry their own under 'grad_clip'; with
             neither, set_gradient_clip's defaults apply.
+        norm_in_backward: measure each gradient for a folded clip's norm while backward runs, as soon as
+            it is final (torchclip.backward_norm), so that the step only combines the measurements.
 
     Returns:
         A handle: `remove()` detaches it, `enabled = False` pauses it, `skipped_steps` counts the steps a
-        clip refused (a NaN or inf norm under nonfinite="skip", a SkipStepOnSpike spike).
+        clip refused (a NaN or inf norm under nonfinite="skip", a SkipStepOnSpike spike);
+        `backward_norms` (with norm_in_backward) has `no_sync()` and what the last step took from backward.
 
     Raises:
-        TypeError: grad_clip is not a clip.
+        TypeError: grad_clip is not a clip, or norm_in_backward not a bool.
 
     Example:
         >>> handle = torchclip.optim.attach(optimizer, torchclip.ClipGradByGlobalNorm(1.0))
@@ -293,7 +310,9 @@ def attach(optimizer: torch.optim.Optimizer, grad_clip: ClipGradBase | None = No
     _check_clip(grad_clip, "grad_clip")
     for i, group in enumerate(optimizer.param_groups):
         _check_clip(group.get(_GROUP_KEY), f"param_groups[{i}]['grad_clip']")
-    return _Attachment(optimizer, grad_clip)
+    if not isinstance(norm_in_backward, bool):
+        raise TypeError(f"norm_in_backward must be True or False, got {norm_in_backward!r}")
+    return _Attachment(optimizer, grad_clip, norm_in_backward)
 
 
 def _keras_clip(grad_clip, **keras) -> ClipGradBase | None:
@@ -322,7 +341,7 @@ def _keras_clip(grad_clip, **keras) -> ClipGradBase | None:
 @functools.cache
 def with_grad_clip(optimizer_class: type) -> type:
     """A subclass of `optimizer_class` whose constructor takes `grad_clip=` (Paddle) or Keras 3's
-    `clipnorm=`, `clipvalue=`, `global_clipnorm=`.
+    `clipnorm=`, `clipvalue=`, `global_clipnorm=`, and `norm_in_backward=` (attach's).
 
     Args:
         optimizer_class: any torch.optim.Optimizer subclass.
@@ -345,11 +364,12 @@ def with_grad_clip(optimizer_class: type) -> type:
         clipnorm: float | None = None,
         clipvalue: float | None = None,
         global_clipnorm: float | None = None,
+        norm_in_backward: bool = False,
         **kwargs,
     ):
         grad_clip = _keras_clip(grad_clip, clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm)
         optimizer_class.__init__(self, params, *args, **kwargs)
-        attach(self, grad_clip)
+        attach(self, grad_clip, norm_in_backward=norm_in_backward)
 
     def add_param_group(self, param_group):
         _check_clip(param_group.get(_GROUP_KEY), "param_group['grad_clip']")
@@ -365,12 +385,13 @@ def with_grad_clip(optimizer_class: type) -> type:
         "grad_clip_attachment": property(lambda self: self._torchclip_attachments[0]),
         "grad_clip": property(lambda self: self.grad_clip_attachment.clip),
     }
-    if optimizer_class in (torch.optim.Adam, torch.optim.AdamW) and _adam_step.AVAILABLE:
-        torch_step = _adam_step.unhooked_step(optimizer_class)
+    read_only_step = _read_only_step.STEPS.get(optimizer_class)
+    if read_only_step is not None:
+        torch_step = _read_only_step.unhooked_step(optimizer_class)
 
         def step(self, closure=None):
             if self.__dict__.get("_torchclip_read_only_step"):
-                return _adam_step.step(self, closure)
+                return read_only_step(self, closure)
             return torch_step(self, closure)
 
         members["step"] = functools.wraps(torch_step)(step)

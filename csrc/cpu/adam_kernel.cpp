@@ -11,61 +11,10 @@
 #include <vector>
 
 #include "kernels.h"
-#include "multi_tensor.h"
-#include "simd.h"
+#include "step_math.h"
 
 namespace torchclip::cpu {
 namespace {
-
-using namespace simd;
-
-// a * b + c rounded once where the instruction set has FMA, as torch's CPU kernel is compiled: its
-// vectors' fmadd and the products GCC contracts into their sums. Every multiply-add of the step goes
-// through here, so no contraction is left to the compiler and the results match torch's bit for bit
-// (checked for every dtype and option in tests/test_adam_step.py).
-inline f32v fused_multiply_add(f32v a, f32v b, f32v c) {
-#if defined(__AVX512F__)
-  return (f32v)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__FMA__)
-  return (f32v)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-  return a * b + c;  // torch's vectors without FMA multiply, then add
-#endif
-}
-inline f64v fused_multiply_add(f64v a, f64v b, f64v c) {
-#if defined(__AVX512F__)
-  return (f64v)_mm512_fmadd_pd((__m512d)a, (__m512d)b, (__m512d)c);
-#elif defined(__FMA__)
-  return (f64v)_mm256_fmadd_pd((__m256d)a, (__m256d)b, (__m256d)c);
-#else
-  return a * b + c;
-#endif
-}
-
-inline f32v square_root(f32v v) {
-#if defined(__AVX512F__)
-  return (f32v)_mm512_sqrt_ps((__m512)v);
-#elif defined(__AVX2__)
-  return (f32v)_mm256_sqrt_ps((__m256)v);
-#else
-  for (int i = 0; i < kBlock; ++i) {
-    v[i] = std::sqrt(v[i]);
-  }
-  return v;
-#endif
-}
-inline f64v square_root(f64v v) {
-#if defined(__AVX512F__)
-  return (f64v)_mm512_sqrt_pd((__m512d)v);
-#elif defined(__AVX2__)
-  return (f64v)_mm256_sqrt_pd((__m256d)v);
-#else
-  for (int i = 0; i < kBlock64; ++i) {
-    v[i] = std::sqrt(v[i]);
-  }
-  return v;
-#endif
-}
 
 // torch's vector maximum: NaN in either lane wins.
 template <typename V>
@@ -97,25 +46,6 @@ Coefficients<Opmath> coefficients(const AdamStep& h, double step) {
       static_cast<Opmath>(1 - h.beta2), static_cast<Opmath>(std::sqrt(bias_correction2)), static_cast<Opmath>(h.eps),
       static_cast<Opmath>(-(h.lr / bias_correction1))};
 }
-
-// Vector loads and stores of one block in the opmath type: float32 for 16/32-bit storage (rounded to
-// nearest even on the way back, as torch's convert_from_float), float64 for float64.
-template <typename T>
-struct Lanes {
-  using Opmath = float;
-  using V = f32v;
-  static constexpr int64_t kWidth = kBlock;
-  static V load(const T* p) { return load_f32(p); }
-  static void store(T* p, V v) { store_f32(p, v); }
-};
-template <>
-struct Lanes<double> {
-  using Opmath = double;
-  using V = f64v;
-  static constexpr int64_t kWidth = kBlock64;
-  static V load(const double* p) { return load_f64(p); }
-  static void store(double* p, V v) { store_f64(p, v); }
-};
 
 struct Streams {
   void* param;
@@ -166,35 +96,12 @@ void step_blocks(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, T* max_exp_
 
 template <typename T, bool kDecoupled>
 void step_run(const Streams& s, int64_t n, const AdamStep& h, double step) {
-  using L = Lanes<T>;
-  const auto c = coefficients<typename L::Opmath>(h, step);
-  T* param = static_cast<T*>(s.param);
-  const T* grad = static_cast<const T*>(s.grad);
-  T* exp_avg = static_cast<T*>(s.exp_avg);
-  T* exp_avg_sq = static_cast<T*>(s.exp_avg_sq);
-  T* max_exp_avg_sq = static_cast<T*>(s.max_exp_avg_sq);
-  const int64_t whole = n - n % L::kWidth;
-  step_blocks<T, kDecoupled>(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, whole, h, c);
-  const int64_t rest = n - whole;
-  if (rest == 0) {
-    return;
-  }
-  // The tail through the same vector code, in zero-padded blocks (the padded lanes are discarded).
-  alignas(64) T tail[5][L::kWidth];
-  load_padded<L::kWidth>(tail[0], param + whole, rest, T(0));
-  load_padded<L::kWidth>(tail[1], grad + whole, rest, T(0));
-  load_padded<L::kWidth>(tail[2], exp_avg + whole, rest, T(0));
-  load_padded<L::kWidth>(tail[3], exp_avg_sq + whole, rest, T(0));
-  if (max_exp_avg_sq) {
-    load_padded<L::kWidth>(tail[4], max_exp_avg_sq + whole, rest, T(0));
-  }
-  step_blocks<T, kDecoupled>(tail[0], tail[1], tail[2], tail[3], max_exp_avg_sq ? tail[4] : nullptr, L::kWidth, h, c);
-  store_first<L::kWidth>(param + whole, tail[0], rest);
-  store_first<L::kWidth>(exp_avg + whole, tail[2], rest);
-  store_first<L::kWidth>(exp_avg_sq + whole, tail[3], rest);
-  if (max_exp_avg_sq) {
-    store_first<L::kWidth>(max_exp_avg_sq + whole, tail[4], rest);
-  }
+  const auto c = coefficients<typename Lanes<T>::Opmath>(h, step);
+  T* const streams[] = {static_cast<T*>(s.param), const_cast<T*>(static_cast<const T*>(s.grad)),
+      static_cast<T*>(s.exp_avg), static_cast<T*>(s.exp_avg_sq), static_cast<T*>(s.max_exp_avg_sq)};
+  step_with_tail(streams, n, [&](T* const (&at)[5], int64_t count) {
+    step_blocks<T, kDecoupled>(at[0], at[1], at[2], at[3], at[4], count, h, c);
+  });
 }
 
 }  // namespace

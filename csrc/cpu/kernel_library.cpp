@@ -17,6 +17,8 @@ extern "C" __attribute__((visibility("default"))) const torchclip::cpu::KernelTa
       &torchclip::cpu::clamp,
       &torchclip::cpu::unitwise_clip,
       &torchclip::cpu::adam_step,
+      &torchclip::cpu::sgd_step,
+      &torchclip::cpu::adagrad_step,
   };
   return &table;
 }

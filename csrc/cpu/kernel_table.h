@@ -16,7 +16,7 @@ namespace torchclip::cpu {
 
 // Bumped whenever a struct below changes layout or a kernel's contract, so a stale kernel library is
 // refused, not misread.
-constexpr int32_t kKernelAbiVersion = 5;
+constexpr int32_t kKernelAbiVersion = 6;
 
 // A dense, non-overlapping run of `numel` elements: either a contiguous tensor or any tensor whose
 // strides are a permutation of contiguous ones. Element order does not matter to any kernel here
@@ -32,6 +32,21 @@ struct AdamStep {
   double lr, beta1, beta2, weight_decay, eps;
   bool amsgrad, maximize, decoupled_weight_decay;  // decoupled: AdamW's decay of the parameter
   const float* grad_scale;  // each gradient is divided by *grad_scale as it is read; null: not divided
+};
+
+// One SGD step's hyperparameters (torch.optim.SGD's, for a fused step).
+struct SgdStep {
+  double lr, weight_decay, momentum, dampening;
+  bool nesterov, maximize;
+  bool is_first_step;       // the momentum buffers start as the gradient (torch's first step)
+  const float* grad_scale;  // as AdamStep's
+};
+
+// One Adagrad step's hyperparameters (torch.optim.Adagrad's, for a fused step).
+struct AdagradStep {
+  double lr, lr_decay, weight_decay, eps;
+  bool maximize;
+  const float* grad_scale;  // as AdamStep's
 };
 
 struct KernelTable {
@@ -71,6 +86,16 @@ struct KernelTable {
   void (*adam_step)(const TensorSpan* params, const TensorSpan* grads, const TensorSpan* exp_avgs,
       const TensorSpan* exp_avg_sqs, const TensorSpan* max_exp_avg_sqs, const double* steps, int64_t count,
       const AdamStep* hyper);
+
+  // One fused SGD step of every tensor, torch's CPU fused kernel's arithmetic, the gradients only read as
+  // adam_step's; momentum_buffers is null without momentum.
+  void (*sgd_step)(const TensorSpan* params, const TensorSpan* grads, const TensorSpan* momentum_buffers,
+      int64_t count, const SgdStep* hyper);
+
+  // One fused Adagrad step of every tensor, torch's CPU fused kernel's arithmetic (steps[i]: tensor i's step
+  // count, already counted up), the gradients only read as adam_step's.
+  void (*adagrad_step)(const TensorSpan* params, const TensorSpan* grads, const TensorSpan* state_sums,
+      const double* steps, int64_t count, const AdagradStep* hyper);
 };
 
 }  // namespace torchclip::cpu

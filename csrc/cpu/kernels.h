@@ -16,5 +16,9 @@ void unitwise_clip(const TensorSpan* weights, const TensorSpan* grads, int64_t c
 void adam_step(const TensorSpan* params, const TensorSpan* grads, const TensorSpan* exp_avgs,
     const TensorSpan* exp_avg_sqs, const TensorSpan* max_exp_avg_sqs, const double* steps, int64_t count,
     const AdamStep* hyper);
+void sgd_step(const TensorSpan* params, const TensorSpan* grads, const TensorSpan* momentum_buffers, int64_t count,
+    const SgdStep* hyper);
+void adagrad_step(const TensorSpan* params, const TensorSpan* grads, const TensorSpan* state_sums, const double* steps,
+    int64_t count, const AdagradStep* hyper);
 
 }  // namespace torchclip::cpu

@@ -629,15 +629,35 @@ void unitwise_clip_cpu(at::TensorList grads, at::TensorList params, double clip_
   }
 }
 
-// ---- a fused Adam/AdamW step that reads the gradients only --------------------------------------
+// ---- fused optimizer steps that read the gradients only ----------------------------------------
+// Declining (false, nothing written) is for what the kernels do not walk; the caller then runs torch's own
+// step. Every check comes before the first write.
 
-// A 1-element float32 CPU tensor's value, or nullopt for anything else (torch's fused step reads
+// A 1-element float32 CPU tensor's value, or nullopt for anything else (torch's fused steps read
 // grad_scale, found_inf and the step counts as float32 on the host).
 std::optional<float> host_float(const at::Tensor& t) {
   if (!t.defined() || !t.device().is_cpu() || t.scalar_type() != at::kFloat || t.numel() != 1) {
     return std::nullopt;
   }
   return *static_cast<const float*>(t.data_ptr());
+}
+
+// grad_scale and found_inf as the kernels take them: each absent, or a float32 CPU number.
+struct ScaleAndSkip {
+  std::optional<float> scale, skip;
+};
+std::optional<ScaleAndSkip> scale_and_skip(
+    const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  ScaleAndSkip read;
+  for (const auto& [given, value] : {std::pair{&grad_scale, &read.scale}, std::pair{&found_inf, &read.skip}}) {
+    if (given->has_value()) {
+      *value = host_float(**given);
+      if (!*value) {
+        return std::nullopt;
+      }
+    }
+  }
+  return read;
 }
 
 // Whether `state` can be walked beside `param`: the same dtype, shape and element order, dense.
@@ -647,65 +667,130 @@ bool walks_beside(const at::Tensor& state, const at::Tensor& param) {
       state.strides() == param.strides() && !state.is_neg();
 }
 
+// The spans of params and of each list walked beside them (grads first), or nullopt where one is not.
+std::optional<std::vector<std::vector<cpu::TensorSpan>>> step_spans(
+    at::TensorList params, std::initializer_list<at::TensorList> beside) {
+  std::vector<std::vector<cpu::TensorSpan>> spans(1 + beside.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    const auto dtype = p.defined() && p.device().is_cpu() ? kernel_dtype(p) : std::nullopt;
+    if (!dtype) {
+      return std::nullopt;
+    }
+    spans[0].push_back({p.data_ptr(), p.numel(), *dtype});
+    size_t list = 1;
+    for (const at::TensorList& tensors : beside) {
+      if (!walks_beside(tensors[i], p)) {
+        return std::nullopt;
+      }
+      spans[list++].push_back({tensors[i].data_ptr(), p.numel(), *dtype});
+    }
+  }
+  return spans;
+}
+
+// Whether every step count is a float32 CPU number.
+bool counts_on_host(at::TensorList state_steps) {
+  return std::all_of(state_steps.begin(), state_steps.end(), [](const at::Tensor& t) { return host_float(t); });
+}
+
+// The counts after torch's `+= 1`, which it makes before its kernel reads them.
+std::vector<double> count_steps(at::TensorList state_steps) {
+  std::vector<double> steps;
+  for (const at::Tensor& t : state_steps) {
+    float& step = *static_cast<float*>(t.data_ptr());
+    step += 1.0f;
+    steps.push_back(step);
+  }
+  return steps;
+}
+
+void check_one_per_parameter(const char* op, size_t n, std::initializer_list<std::pair<const char*, size_t>> lists) {
+  for (const auto& [name, size] : lists) {
+    TORCH_CHECK(size == n, op, ": ", name, " must have one entry per parameter (", n, "), got ", size);
+  }
+}
+
+at::Tensor stepped(bool done) {
+  return at::scalar_tensor(done, at::kBool);
+}
+
 at::Tensor adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
     at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList state_steps, double lr, double beta1,
     double beta2, double weight_decay, double eps, bool amsgrad, bool maximize, bool decoupled_weight_decay,
     const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
   constexpr const char* op = "torchclip.adam_step_";
   const size_t n = params.size();
-  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && state_steps.size() == n, op,
-      ": params, grads, exp_avgs, exp_avg_sqs and state_steps must have one entry per parameter, got ", n, ", ",
-      grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size(), " and ", state_steps.size());
+  check_one_per_parameter(op, n,
+      {{"grads", grads.size()}, {"exp_avgs", exp_avgs.size()}, {"exp_avg_sqs", exp_avg_sqs.size()},
+          {"state_steps", state_steps.size()}});
   TORCH_CHECK(max_exp_avg_sqs.size() == (amsgrad ? n : 0), op, ": max_exp_avg_sqs must have ",
       amsgrad ? "one entry per parameter" : "no entries", " with amsgrad=", amsgrad ? "True" : "False", ", got ",
       max_exp_avg_sqs.size());
-  // Declining (false, nothing written) is for what the kernels do not walk; the caller then runs torch's own
-  // step. Every check comes before the first write.
-  std::optional<float> scale;
-  if (grad_scale.has_value()) {
-    scale = host_float(*grad_scale);
-    if (!scale) {
-      return at::scalar_tensor(false, at::kBool);
-    }
+  const auto read = scale_and_skip(grad_scale, found_inf);
+  const auto spans = amsgrad ? step_spans(params, {grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs})
+                             : step_spans(params, {grads, exp_avgs, exp_avg_sqs});
+  if (!read || !spans || !counts_on_host(state_steps)) {
+    return stepped(false);
   }
-  std::optional<float> skip;
-  if (found_inf.has_value()) {
-    skip = host_float(*found_inf);
-    if (!skip) {
-      return at::scalar_tensor(false, at::kBool);
-    }
+  if (read->skip == 1.0f) {  // torch's fused step leaves everything as it was when found_inf is 1
+    return stepped(true);
   }
-  std::vector<cpu::TensorSpan> param_spans, grad_spans, exp_avg_spans, exp_avg_sq_spans, max_spans;
-  std::vector<double> steps(n);
-  for (size_t i = 0; i < n; ++i) {
-    const at::Tensor& p = params[i];
-    const auto dtype = p.defined() && p.device().is_cpu() ? kernel_dtype(p) : std::nullopt;
-    const auto step = host_float(state_steps[i]);
-    if (!dtype || !step || !walks_beside(grads[i], p) || !walks_beside(exp_avgs[i], p) ||
-        !walks_beside(exp_avg_sqs[i], p) || (amsgrad && !walks_beside(max_exp_avg_sqs[i], p))) {
-      return at::scalar_tensor(false, at::kBool);
-    }
-    param_spans.push_back({p.data_ptr(), p.numel(), *dtype});
-    grad_spans.push_back({grads[i].data_ptr(), p.numel(), *dtype});
-    exp_avg_spans.push_back({exp_avgs[i].data_ptr(), p.numel(), *dtype});
-    exp_avg_sq_spans.push_back({exp_avg_sqs[i].data_ptr(), p.numel(), *dtype});
-    if (amsgrad) {
-      max_spans.push_back({max_exp_avg_sqs[i].data_ptr(), p.numel(), *dtype});
-    }
-  }
-  if (skip == 1.0f) {  // torch's fused step leaves everything as it was when found_inf is 1
-    return at::scalar_tensor(true, at::kBool);
-  }
-  for (size_t i = 0; i < n; ++i) {  // torch adds 1 to the float32 count before its kernel reads it
-    float& step = *static_cast<float*>(state_steps[i].data_ptr());
-    step += 1.0f;
-    steps[i] = step;
-  }
+  const std::vector<double> steps = count_steps(state_steps);
   const cpu::AdamStep hyper{lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, decoupled_weight_decay,
-      scale ? &*scale : nullptr};
-  cpu_kernels().adam_step(param_spans.data(), grad_spans.data(), exp_avg_spans.data(), exp_avg_sq_spans.data(),
-      amsgrad ? max_spans.data() : nullptr, steps.data(), static_cast<int64_t>(n), &hyper);
-  return at::scalar_tensor(true, at::kBool);
+      read->scale ? &*read->scale : nullptr};
+  const auto& s = *spans;
+  cpu_kernels().adam_step(s[0].data(), s[1].data(), s[2].data(), s[3].data(), amsgrad ? s[4].data() : nullptr,
+      steps.data(), static_cast<int64_t>(n), &hyper);
+  return stepped(true);
+}
+
+at::Tensor sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers, double lr,
+    double weight_decay, double momentum, double dampening, bool nesterov, bool maximize, bool is_first_step,
+    const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  constexpr const char* op = "torchclip.sgd_step_";
+  const size_t n = params.size();
+  const bool has_momentum = momentum != 0.0;
+  check_one_per_parameter(op, n, {{"grads", grads.size()}});
+  TORCH_CHECK(momentum_buffers.size() == (has_momentum ? n : 0), op, ": momentum_buffers must have ",
+      has_momentum ? "one entry per parameter" : "no entries", " with momentum=", momentum, ", got ",
+      momentum_buffers.size());
+  const auto read = scale_and_skip(grad_scale, found_inf);
+  const auto spans = has_momentum ? step_spans(params, {grads, momentum_buffers}) : step_spans(params, {grads});
+  if (!read || !spans) {
+    return stepped(false);
+  }
+  if (read->skip == 1.0f) {
+    return stepped(true);
+  }
+  const cpu::SgdStep hyper{
+      lr, weight_decay, momentum, dampening, nesterov, maximize, is_first_step, read->scale ? &*read->scale : nullptr};
+  const auto& s = *spans;
+  cpu_kernels().sgd_step(
+      s[0].data(), s[1].data(), has_momentum ? s[2].data() : nullptr, static_cast<int64_t>(n), &hyper);
+  return stepped(true);
+}
+
+at::Tensor adagrad_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList state_sums,
+    at::TensorList state_steps, double lr, double lr_decay, double weight_decay, double eps, bool maximize,
+    const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  constexpr const char* op = "torchclip.adagrad_step_";
+  const size_t n = params.size();
+  check_one_per_parameter(
+      op, n, {{"grads", grads.size()}, {"state_sums", state_sums.size()}, {"state_steps", state_steps.size()}});
+  const auto read = scale_and_skip(grad_scale, found_inf);
+  const auto spans = step_spans(params, {grads, state_sums});
+  if (!read || !spans || !counts_on_host(state_steps)) {
+    return stepped(false);
+  }
+  if (read->skip == 1.0f) {
+    return stepped(true);
+  }
+  const std::vector<double> steps = count_steps(state_steps);
+  const cpu::AdagradStep hyper{lr, lr_decay, weight_decay, eps, maximize, read->scale ? &*read->scale : nullptr};
+  const auto& s = *spans;
+  cpu_kernels().adagrad_step(s[0].data(), s[1].data(), s[2].data(), steps.data(), static_cast<int64_t>(n), &hyper);
+  return stepped(true);
 }
 
 }  // namespace
@@ -718,6 +803,8 @@ TORCH_LIBRARY_IMPL(torchclip, CPU, m) {
   m.impl("clip_by_tensor_norm_", &clip_by_tensor_norm_cpu);
   m.impl("unitwise_clip_", &unitwise_clip_cpu);
   m.impl("adam_step_", &adam_step_cpu);
+  m.impl("sgd_step_", &sgd_step_cpu);
+  m.impl("adagrad_step_", &adagrad_step_cpu);
 }
 
 }  // namespace torchclip

@@ -102,7 +102,7 @@ __device__ __forceinline__ unsigned warp_min(unsigned v) {
 
 // A warp's sub-block x[0, n), n <= 1,024, of 16/32-bit data, into the block's digits: every lane calls.
 template <NormKind kKind, typename S>
-__device__ void add_sub_block(const S* x, int64_t n, long long* digits, unsigned* flags) {
+__device__ void add_sub_block(const S* x, int64_t n, long long* digits, unsigned* flags, bool* term_by_term) {
   const int lane = threadIdx.x % 32;
   float values[kLaneTerms];
   unsigned largest_bits = 0, smallest_less_one = 0xFFFFFFFFu;
@@ -134,6 +134,7 @@ __device__ void add_sub_block(const S* x, int64_t n, long long* digits, unsigned
     }
   }
   if (levels == kMaxLevels) {  // an inf or NaN, or a range wider than the levels: term by term
+    *term_by_term = true;
 #pragma unroll
     for (int j = 0; j < kLaneTerms; ++j) {
       add_term_or_flag<kKind>(digits, flags, values[j]);
@@ -171,11 +172,13 @@ __device__ void exact_chunk(const Table& table, int t, int64_t chunk, long long*
     double* norms) {
   __shared__ long long digits[kDigits];
   __shared__ unsigned flags;
+  __shared__ bool term_by_term;
   for (int d = threadIdx.x; d < kDigits; d += blockDim.x) {
     digits[d] = 0;
   }
   if (threadIdx.x == 0) {
     flags = 0;
+    term_by_term = std::is_same_v<S, double>;
   }
   __syncthreads();
   const S* x = static_cast<const S*>(table.data[t]);
@@ -191,10 +194,24 @@ __device__ void exact_chunk(const Table& table, int t, int64_t chunk, long long*
     const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
     for (int64_t sub = begin + warp * kSubBlock; sub < begin + n; sub += warps * kSubBlock) {
       const int64_t remaining = begin + n - sub;
-      add_sub_block<kKind, S>(x + sub, remaining < kSubBlock ? remaining : kSubBlock, digits, &flags);
+      add_sub_block<kKind, S>(x + sub, remaining < kSubBlock ? remaining : kSubBlock, digits, &flags, &term_by_term);
     }
   }
   __syncthreads();
+  // A block that added term by term holds digits up to 2^48 (65,536 terms of up to 2^32 each): carried into
+  // [0, 2^32) here (the block's sum is >= 0), every block adds at most 2^32 per digit to its tensor's and
+  // to the total, so no int64 digit overflows below 2^31 blocks. (Level sums add below 2^42 a block.)
+  if (term_by_term) {
+    if (threadIdx.x == 0) {
+      long long carry = 0;
+      for (int d = 0; d < kDigits; ++d) {
+        const long long v = digits[d] + carry;
+        digits[d] = v & 0xFFFFFFFFll;
+        carry = v >> 32;  // (arithmetic: the floor, for negative digits too)
+      }
+    }
+    __syncthreads();
+  }
   // The block's digits into its tensor's (integer additions: any order, the same sum).
   long long* tensor_digits = accumulators + static_cast<int64_t>(table.index[t]) * kExactAccumulatorWords;
   for (int d = threadIdx.x; d < kDigits; d += blockDim.x) {
@@ -281,6 +298,15 @@ __global__ void __launch_bounds__(kTotalThreads) exact_total_kernel(const long l
   }
 }
 
+// The float64 1-norm of a tensor the kernels do not read (a complex one, as the CPU takes it) as the term of
+// its list position: its accumulator and its norm.
+__global__ void exact_add_norm_kernel(const double* value, long long* accumulator, double* norm) {
+  add_term_or_flag<NormKind::One>(accumulator, reinterpret_cast<unsigned*>(accumulator + kDigits), *value);
+  if (norm != nullptr) {
+    *norm = *value;
+  }
+}
+
 template <NormKind kKind>
 void launch_exact(const DeviceSpan* spans, int64_t count, long long* accumulators, int32_t* arrivals, double* norms,
     cudaStream_t stream) {
@@ -292,6 +318,12 @@ void launch_exact(const DeviceSpan* spans, int64_t count, long long* accumulator
 }
 
 }  // namespace
+
+void exact_add_norm(const double* value, int64_t position, int64_t* accumulators, double* norms, cudaStream_t stream) {
+  long long* accumulator = reinterpret_cast<long long*>(accumulators) + position * kExactAccumulatorWords;
+  exact_add_norm_kernel<<<1, 1, 0, stream>>>(value, accumulator, norms != nullptr ? norms + position : nullptr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
 void exact_norms(const DeviceSpan* spans, int64_t count, NormKind kind, int64_t list_size, double* norms, double* total,
     double* coefficient, double max_norm, double eps, bool skip_nonfinite, int64_t* accumulators, int32_t* arrivals,

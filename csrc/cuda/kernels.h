@@ -57,6 +57,11 @@ void exact_norms(const DeviceSpan* spans, int64_t count, NormKind kind, int64_t 
     double* coefficient, double max_norm, double eps, bool skip_nonfinite, int64_t* accumulators, int32_t* arrivals,
     cudaStream_t stream);
 
+// The float64 *value (a device number: the 1-norm of a tensor no span covers, a complex one) as the one term
+// of list position `position` in exact_norms' accumulators, and norms[position] = *value (norms may be null).
+// Launched before exact_norms on the same accumulators.
+void exact_add_norm(const double* value, int64_t position, int64_t* accumulators, double* norms, cudaStream_t stream);
+
 // Per-tensor clipping coefficients from per-tensor 2-norms: scales[i] = 1 where norms[i] <= max_norm,
 // else max_norm / norms[i] (NaN for a NaN norm); all 1 when skip_nonfinite and any norm is NaN or inf.
 // *any_nonfinite is set to 1 or 0.

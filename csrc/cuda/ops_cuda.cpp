@@ -134,10 +134,12 @@ bool exact_norms_into(at::TensorList tensors, const DeviceSplit& split, double o
     at::Tensor* total, at::Tensor* coefficient, double max_norm, double eps, bool skip_nonfinite, cudaStream_t stream) {
   std::vector<DeviceSpan> spans = split.spans;
   std::vector<at::Tensor> dense;  // (freed to the caching allocator in stream order: safe for the kernels)
+  std::vector<std::pair<int64_t, at::Tensor>> added_norms;  // as the CPU: a complex 1-norm, one float64 term
   for (int64_t i : split.aten_path) {
     const at::Tensor& t = tensors[i];
     if (t.is_complex() && ord == 1.0) {
-      return false;
+      added_norms.emplace_back(i, aten_norm(t, 1.0));
+      continue;
     }
     const at::Tensor real = (t.is_complex() ? at::view_as_real(t.resolve_conj()) : t).resolve_neg().contiguous();
     const std::optional<DType> dtype = kernel_dtype(real);
@@ -160,6 +162,10 @@ bool exact_norms_into(at::TensorList tensors, const DeviceSplit& split, double o
   }
   const at::Tensor accumulators = at::zeros({count, cuda::kExactAccumulatorWords}, options.dtype(at::kLong));
   const at::Tensor arrivals = at::zeros({count}, options.dtype(at::kInt));
+  for (const auto& [position, value] : added_norms) {
+    cuda::exact_add_norm(value.data_ptr<double>(), position, accumulators.data_ptr<int64_t>(),
+        norms != nullptr ? norms->data_ptr<double>() : nullptr, stream);
+  }
   cuda::exact_norms(spans.data(), static_cast<int64_t>(spans.size()), ord == 1.0 ? NormKind::One : NormKind::Two, count,
       norms != nullptr ? norms->data_ptr<double>() : nullptr, total != nullptr ? total->data_ptr<double>() : nullptr,
       coefficient != nullptr ? coefficient->data_ptr<double>() : nullptr, max_norm, eps, skip_nonfinite,

@@ -1,0 +1,80 @@
+// SGD steps (momentum, dampening, Nesterov, weight decay, maximize) over many tensors with the gradient
+// divided by grad_scale as it is read, never written back (compiled once per instruction set).
+//
+// The arithmetic is torch's CPU fused SGD kernel's (aten/src/ATen/native/cpu/FusedSGDKernel.cpp) as
+// torch 2.14 has it, operation for operation: float32 opmath for 16/32-bit storage and float64 for
+// float64, the multiply-adds fused where torch's vectors fuse them, every stored value rounded once to its
+// storage type. torch before 2.14 skipped the update of whole 16-bit vectors (pytorch#191763); this
+// kernel steps them as 2.14 does. Only the gradient write-back differs: torch stores grad / grad_scale
+// over the gradient, a third stream of writes beside the parameter's.
+#include "kernels.h"
+#include "step_math.h"
+
+namespace torchclip::cpu {
+namespace {
+
+// The hyperparameters as torch rounds them before its vector loop.
+template <typename Opmath>
+struct SgdCoefficients {
+  Opmath grad_scale;  // divided by, or 1
+  Opmath weight_decay;
+  Opmath momentum;
+  Opmath one_minus_dampening;
+  Opmath negative_lr;
+};
+
+// n whole vectors of one tensor: param, grad, momentum buffer (null without momentum).
+template <typename T>
+void sgd_blocks(T* const (&at)[3], int64_t n, const SgdStep& h, const SgdCoefficients<typename Lanes<T>::Opmath>& c) {
+  using L = Lanes<T>;
+  using V = typename L::V;
+  T* param = at[0];
+  const T* grad = at[1];
+  T* momentum_buffer = at[2];
+  for (int64_t i = 0; i < n; i += L::kWidth) {
+    V p = L::load(param + i);
+    V g = L::load(grad + i);
+    if (h.grad_scale) {
+      g = g / splat<V>(c.grad_scale);
+    }
+    if (h.maximize) {
+      g = g * splat<V>(-1);
+    }
+    if (h.weight_decay != 0) {
+      g = fused_multiply_add(p, splat<V>(c.weight_decay), g);
+    }
+    if (momentum_buffer) {
+      V b = g;
+      if (!h.is_first_step) {
+        b = fused_multiply_add(g, splat<V>(c.one_minus_dampening), L::load(momentum_buffer + i) * splat<V>(c.momentum));
+      }
+      L::store(momentum_buffer + i, b);
+      g = h.nesterov ? fused_multiply_add(b, splat<V>(c.momentum), g) : b;
+    }
+    L::store(param + i, fused_multiply_add(g, splat<V>(c.negative_lr), p));
+  }
+}
+
+}  // namespace
+
+void sgd_step(const TensorSpan* params, const TensorSpan* grads, const TensorSpan* momentum_buffers, int64_t count,
+    const SgdStep* hyper) {
+  const SgdStep& h = *hyper;
+  const ChunkPlan plan = plan_chunks(params, count);
+  parallel_for_pieces(plan, params, [&](const Piece& piece) {
+    const int64_t i = piece.tensor;
+    dispatch_dtype(params[i].dtype, [&](auto* typed) {
+      using T = std::remove_pointer_t<decltype(typed)>;
+      using Opmath = typename Lanes<T>::Opmath;
+      const SgdCoefficients<Opmath> c{h.grad_scale ? static_cast<Opmath>(*h.grad_scale) : Opmath(1),
+          static_cast<Opmath>(h.weight_decay), static_cast<Opmath>(h.momentum),
+          static_cast<Opmath>(1 - h.dampening), static_cast<Opmath>(-h.lr)};
+      const auto at = [&](const TensorSpan& span) { return static_cast<T*>(span.data) + piece.begin; };
+      T* const streams[] = {at(params[i]), at(grads[i]), momentum_buffers ? at(momentum_buffers[i]) : nullptr};
+      step_with_tail(streams, piece.end - piece.begin,
+          [&](T* const (&blocks)[3], int64_t n) { sgd_blocks<T>(blocks, n, h, c); });
+    });
+  });
+}
+
+}  // namespace torchclip::cpu
