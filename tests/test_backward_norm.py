@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from testing import cuda_only
 
 import torchclip
 from torchclip import ClipGradByGlobalNorm
@@ -218,3 +219,36 @@ def test_remove_and_copies():
 def test_bad_argument_names_it():
     with pytest.raises(TypeError, match="norm_in_backward must be True or False, got 'yes'"):
         optimizer_for(Model(), "AdamW", norm_in_backward="yes")
+
+
+@cuda_only
+def test_cuda_norm_from_backward():
+    """On CUDA the hooks measure on the device, behind backward's kernels; exact measurements wait for the step."""
+    for exact in (False, True):
+        ours, theirs = Model().cuda(), Model().cuda()
+        optimizer = optimizer_for(ours, "AdamW", norm_in_backward=True, clip={"exact": exact})
+        reference = optimizer_for(theirs, "AdamW", clip={"exact": exact})
+        for model, opt in ((ours, optimizer), (theirs, reference)):
+            for x in batches(3):
+                opt.zero_grad()
+                model(x.cuda()).square().mean().backward()
+                opt.step()
+        torch.testing.assert_close(optimizer.grad_clip.last_global_norm, reference.grad_clip.last_global_norm)
+        backward_norms = optimizer.grad_clip_attachment.backward_norms
+        assert backward_norms.taken_after_backward == (4 if exact else 0)
+        assert_same_parameters(ours, theirs, exact=False)
+
+
+def test_under_torch_distributed_every_gradient_is_measured_at_the_step(tmp_path):
+    """DDP may rewrite a gradient after its hook without a version bump: in a process group the hooks stand
+    aside and the step reads every gradient, as without norm_in_backward."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        model = Model()
+        optimizer = optimizer_for(model, "AdamW", norm_in_backward=True, clip={"exact": True})
+        (norm, expected), *_ = train(model, optimizer, steps=1)
+        assert torch.equal(norm, expected)
+        backward_norms = optimizer.grad_clip_attachment.backward_norms
+        assert (backward_norms.taken_in_backward, backward_norms.taken_after_backward) == (0, 4)
+    finally:
+        torch.distributed.destroy_process_group()

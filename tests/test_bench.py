@@ -309,6 +309,31 @@ def test_step_mode_rows(tmp_path):
     assert "torchclip-bench --step adamw-fused --step sgd" in text and result.stdout.splitlines()[1] in text
 
 
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="--training's models need transformers")
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_training_mode_rows(tmp_path, ranks):
+    """--training: whole steps of each model four ways (2 ranks: DistributedDataParallel over gloo), with the
+    step rows on one page."""
+    out, page = tmp_path / "training.json", tmp_path / "RESULTS-step.md"
+    models = ["gpt2-small", "resnet50"] if ranks == 1 else ["resnet50"]
+    arguments = [arg for model in models for arg in ("--training", model)]
+    result = subprocess.run(
+        [sys.executable, "-m", "torchclip.bench", *arguments, "--ranks", str(ranks), "--rounds", "1", "--quick"]
+        + ["--json", str(out), "--markdown", str(page)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())["training_rows"]
+    assert [(r["model"], r["ranks"]) for r in rows] == [(model, ranks) for model in models]
+    for r in rows:
+        assert set(r["step_ms"]) == set(r["after_backward_ms"]) == {"no clip", "torch clip", "folded", "in backward"}
+        assert min(r["step_ms"].values()) > 0 and r["total_norm_ms"] > 0 and r["parameters"] > 2e7
+        assert all(0 < after < r["step_ms"][c] for c, after in r["after_backward_ms"].items())
+    assert "## The training step" in page.read_text()
+
+
 def test_adaptive_mode_rows(tmp_path):
     """--adaptive: every adaptive clip, its ratios derived from the timed candidates; the references that
     are installed (zclip, autoclip; timm where it is) timed beside it."""

@@ -116,6 +116,8 @@ class BackwardNorms:
         measured, self._measured = ({} if stale else self._measured), {}
         self._exact = exact
         grads = [(p, p.grad) for p in params if p.grad is not None]
+        # The walk reads every gradient where one is beyond the measurements.
+        self.taken_in_backward, self.taken_after_backward = 0, len(grads)
         if not grads or len({g.device for _, g in grads}) != 1:
             return None
         values, after = [], 0

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import torchclip
-from torchclip.bench import adaptive, report, step, workloads
+from torchclip.bench import adaptive, report, step, training, workloads
 from torchclip.bench.clip_rows import NORM_OPS, OPS, candidates_for
 from torchclip.bench.timing import Grads, balanced_orders, format_columns, interleave, no_sync, timed  # noqa: F401
 
@@ -251,6 +251,19 @@ def parse_args(argv):
         f"{', '.join(step.DEFAULT_WORKLOADS)})",
     )
     parser.add_argument(
+        "--training",
+        action="append",
+        metavar="MODEL",
+        help=f"what clipping adds to whole training steps (forward, backward, clip, step) of a model: one of "
+        f"{', '.join(training.MODELS)}; repeatable, and with --step on one page (needs transformers)",
+    )
+    parser.add_argument(
+        "--ranks",
+        default="1",
+        help="--training: comma list of DistributedDataParallel rank counts (gloo processes on this machine; "
+        "default 1, no DDP)",
+    )
+    parser.add_argument(
         "--adaptive",
         action="store_true",
         help="instead of the clip rows, the adaptive clips against their reference packages (zclip, "
@@ -271,6 +284,17 @@ def parse_args(argv):
     for name in args.step or []:
         if name not in step.OPTIMIZERS:
             parser.error(f"--step {name!r}: unknown; choose from {', '.join(step.OPTIMIZERS)}")
+    for name in args.training or []:
+        if name not in training.MODELS:
+            parser.error(f"--training {name!r}: unknown; choose from {', '.join(training.MODELS)}")
+    if args.training and importlib.util.find_spec("transformers") is None:
+        parser.error("--training needs transformers (its models): pip install -r requirements-integration.txt")
+    try:
+        args.rank_counts = [int(r) for r in args.ranks.split(",")]
+        if any(r < 1 for r in args.rank_counts):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--ranks {args.ranks!r}: expected a comma list of positive integers")
     for d in args.dtype or []:
         if d not in DTYPES:
             parser.error(f"--dtype {d!r}: unknown; choose from {', '.join(DTYPES)}")
@@ -299,7 +323,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]  # the command a results page names
     rounds = args.rounds or (5 if args.quick else 15)
-    if args.step:
+    if args.step or args.training:
         return main_step(args, rounds)
     if args.adaptive:
         return main_adaptive(args, rounds)
@@ -355,33 +379,52 @@ def main(argv=None) -> int:
 
 
 def main_step(args, rounds) -> int:
-    """--step: what clipping adds to optimizer steps (torchclip/bench/step.py)."""
-    names = args.workload or (QUICK_WORKLOADS if args.quick else step.DEFAULT_WORKLOADS)
-    rows = step.run(
-        args.step,
-        names,
-        {d: DTYPES[d] for d in args.dtype or ["float32"]},
-        args.thread_counts,
-        rounds,
-        warmup=1 if args.quick else 2,
-        progress=make_progress(sys.stderr.isatty()),
-        device=args.device,
-    )
+    """--step: what clipping adds to optimizer steps (torchclip/bench/step.py); --training: to whole
+    training steps (torchclip/bench/training.py)."""
     header = (
         f"torchclip {torchclip.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, device "
-        f"{args.device}; medians of {rounds} interleaved rounds; added = (clip + step - step) / get_total_norm"
+        f"{args.device}; medians of {rounds} interleaved rounds"
     )
-    table = step.format_table(rows)
     print(header)
-    print(table)
+    rows, table = [], None
+    if args.step:
+        names = args.workload or (QUICK_WORKLOADS if args.quick else step.DEFAULT_WORKLOADS)
+        rows = step.run(
+            args.step,
+            names,
+            {d: DTYPES[d] for d in args.dtype or ["float32"]},
+            args.thread_counts,
+            rounds,
+            warmup=1 if args.quick else 2,
+            progress=make_progress(sys.stderr.isatty()),
+            device=args.device,
+        )
+        table = step.format_table(rows)
+        print(table)
+    training_rows, training_table = [], None
+    if args.training:
+        training_rows = [
+            row
+            for ranks in args.rank_counts
+            for row in training.run(args.training, rounds, warmup=1 if args.quick else 2, ranks=ranks)
+        ]
+        training_table = training.format_table(training_rows)
+        print(training_table)
     if args.markdown:
         command = "torchclip-bench " + " ".join(args.argv)
         with open(args.markdown, "w") as f:
-            f.write(report.step_markdown_page(table, header, command))
+            f.write(report.step_markdown_page(table, training_table, header, command))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"torch": torch.__version__, "device": args.device, "step_rows": [asdict(r) for r in rows]}, f, indent=1
+                {
+                    "torch": torch.__version__,
+                    "device": args.device,
+                    "step_rows": [asdict(r) for r in rows],
+                    "training_rows": [asdict(r) for r in training_rows],
+                },
+                f,
+                indent=1,
             )
     return 0
 

@@ -102,26 +102,46 @@ def markdown_page(rows, table: str, header: str, command: str, plot_path: str | 
     return "\n".join(lines)
 
 
-def step_markdown_page(table: str, header: str, command: str) -> str:
-    """The page of torchclip-bench --step: what clipping adds to an optimizer step."""
-    return "\n".join(
-        [
-            "# What clipping adds to an optimizer step",
+def step_markdown_page(table: str | None, training_table: str | None, header: str, command: str) -> str:
+    """The page of torchclip-bench --step / --training: what clipping adds to an optimizer step, and to a
+    whole training step."""
+    lines = [
+        "# What clipping adds to an optimizer step",
+        "",
+        f"Regenerate with `{command}` (from the repository root). Generated {datetime.date.today().isoformat()}.",
+        "",
+        f"- machine: {machine_description()}",
+        f"- {header}",
+        "",
+    ]
+    if table is not None:
+        lines += [
+            "## The step",
             "",
-            f"Regenerate with `{command}` (from the repository root). Generated {datetime.date.today().isoformat()}.",
-            "",
-            f"- machine: {machine_description()}",
-            f"- {header}",
-            "",
-            "Columns: step ms is the optimizer step alone; torch clip+step ms is torch.nn.utils.clip_grad_norm_ then",
-            "the step; torchclip step ms is the step of torchclip.optim's grad_clip=ClipGradByGlobalNorm (folded",
-            "into the fused kernel where the optimizer is fused); get_total_norm ms is one read of the gradients,",
-            "the floor of any norm clip. added (reads) = (clip + step - step) / get_total_norm. Every call clips",
-            "(max_norm is 0.9 x the gradients' norm). The method is in torchclip/bench/step.py.",
+            "Columns: step ms is the optimizer step alone; torch clip+step ms is torch.nn.utils.clip_grad_norm_",
+            "then the step; torchclip step ms is the step of torchclip.optim's grad_clip=ClipGradByGlobalNorm",
+            "(folded into the fused kernel where the optimizer is fused); get_total_norm ms is one read of the",
+            "gradients, the floor of any norm clip. added (reads) = (clip + step - step) / get_total_norm. Every",
+            "call clips (max_norm is 0.9 x the gradients' norm). The method is in torchclip/bench/step.py.",
             "",
             "```",
             table,
             "```",
             "",
         ]
-    )
+    if training_table is not None:
+        lines += [
+            "## The training step",
+            "",
+            "Forward, backward, clip and a fused AdamW step of a model, four ways: no clip; torch's",
+            "clip_grad_norm_ then the step; torchclip's folded grad_clip=ClipGradByGlobalNorm; the same with",
+            "norm_in_backward=True. ms: median whole steps; added: against no clip; after bwd (reads): the time",
+            "from the end of backward to the end of the step, less no clip's, in get_total_norm times (norm ms,",
+            "one read of the gradients). Every call clips. The method is in torchclip/bench/training.py.",
+            "",
+            "```",
+            training_table,
+            "```",
+            "",
+        ]
+    return "\n".join(lines)
