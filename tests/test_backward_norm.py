@@ -252,3 +252,9 @@ def test_under_torch_distributed_every_gradient_is_measured_at_the_step(tmp_path
         assert (backward_norms.taken_in_backward, backward_norms.taken_after_backward) == (0, 4)
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_reduced_by_refuses_what_is_not_ddp():
+    optimizer = optimizer_for(Model(), "AdamW", norm_in_backward=True)
+    with pytest.raises(TypeError, match="ddp_model must be a DistributedDataParallel, got Model"):
+        optimizer.grad_clip_attachment.backward_norms.reduced_by(Model())

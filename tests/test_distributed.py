@@ -518,3 +518,123 @@ def exact_worker(rank, world, init_method):
 @pytest.mark.parametrize("world", [2, 4])
 def test_exact_norms_give_one_process_bits_on_any_number_of_ranks(world, tmp_path):
     spawn(exact_worker, world, rendezvous(tmp_path))
+
+
+# ---- the norm while backward runs, on DistributedDataParallel's reduced buckets ----------------------------
+
+
+class _DDPNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)
+        )
+        self.unused = torch.nn.Linear(3, 3)  # never gets a gradient
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def ddp_backward_norm_worker(rank, world, init_method, bucket_view):
+    """Gradient accumulation over 3 micro-batches (the first two under DDP's no_sync), several buckets, an
+    unused parameter: the norm measured on the reduced buckets is the post-backward one, bit for bit
+    (exact), and so are the parameters after 3 steps. (No destroy_process_group: DDP's reducers are alive,
+    and _run_and_exit leaves without teardown.)"""
+    from contextlib import nullcontext
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    results = []
+    for norm_in_backward in (True, False):
+        model = _DDPNet()
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=0.0005, gradient_as_bucket_view=bucket_view, find_unused_parameters=True
+        )
+        clip = torchclip.ClipGradByGlobalNorm(0.1, exact=True)
+        optimizer = torchclip.optim.AdamW(
+            model.parameters(), lr=1e-2, fused=True, grad_clip=clip, norm_in_backward=norm_in_backward
+        )
+        backward_norms = optimizer.grad_clip_attachment.backward_norms
+        if norm_in_backward:
+            backward_norms.reduced_by(ddp)
+        generator = torch.Generator().manual_seed(rank)  # each rank its own batches
+        norms = []
+        for _ in range(3):
+            optimizer.zero_grad()
+            for k in range(3):
+                with ddp.no_sync() if k < 2 else nullcontext():
+                    ddp(torch.randn(4, 8, generator=generator)).pow(2).sum().backward()
+            expected = torchclip.get_total_norm([p.grad.double() for p in model.parameters() if p.grad is not None])
+            optimizer.step()
+            norms.append(clip.last_global_norm.clone())
+            if norm_in_backward:
+                with_grads = sum(p.grad is not None for p in model.parameters())
+                assert (backward_norms.taken_in_backward, backward_norms.taken_after_backward) == (with_grads, 0)
+                torch.testing.assert_close(norms[-1].double(), expected, rtol=1e-6, atol=0)
+        results.append((norms, [p.detach().clone() for p in model.parameters()]))
+    (ours, ours_params), (theirs, their_params) = results
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), (ours, theirs)
+    assert all(torch.equal(p, q) for p, q in zip(ours_params, their_params))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("bucket_view", [False, True], ids=["grads_copied", "gradient_as_bucket_view"])
+def test_ddp_norm_in_backward_is_the_post_backward_norm(world, bucket_view, tmp_path):
+    spawn(ddp_backward_norm_worker, world, rendezvous(tmp_path), bucket_view)
+
+
+def fsdp2_backward_norm_worker(rank, world, init_method, mesh_shape):
+    """FSDP2 runs the hooks on its sharded parameters after the reduce-scatter, the post-divide and the
+    accumulation: the measured shards combine in one collective into the post-backward norm, bit for bit
+    (exact), with gradient accumulation under set_requires_gradient_sync(False) for 2 of 3 micro-batches,
+    and the folded step gives clip-then-step's parameters."""
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")  # FSDP; HSDP
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    for exact in (True, False):
+        check_fsdp2_norm_in_backward(rank, mesh, exact)
+
+
+def check_fsdp2_norm_in_backward(rank, mesh, exact):
+    from torch.distributed.fsdp import fully_shard
+
+    results = []
+    for norm_in_backward in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        clip = torchclip.ClipGradByGlobalNorm(0.1, exact=exact)
+        optimizer = torchclip.optim.AdamW(
+            model.parameters(), lr=1e-2, fused=True, grad_clip=clip, norm_in_backward=norm_in_backward
+        )
+        backward_norms = optimizer.grad_clip_attachment.backward_norms
+        generator = torch.Generator().manual_seed(rank)
+        norms = []
+        for _ in range(3):
+            optimizer.zero_grad()
+            for k in range(3):
+                model.set_requires_gradient_sync(k == 2)
+                model(torch.randn(4, 8, generator=generator)).pow(2).sum().backward()
+            full = [p.grad.full_tensor().double() for p in model.parameters()]
+            expected = torchclip.get_total_norm(full, exact=True).float()
+            optimizer.step()
+            norms.append(clip.last_global_norm.clone())
+            if exact:
+                assert torch.equal(norms[-1], expected), (norms[-1], expected)
+            else:
+                torch.testing.assert_close(norms[-1], expected, rtol=1e-6, atol=0)
+            if norm_in_backward:
+                assert (backward_norms.taken_in_backward, backward_norms.taken_after_backward) == (4, 0)
+        results.append((norms, [p.full_tensor() for p in model.parameters()]))
+    (ours, ours_params), (theirs, their_params) = results
+    if exact:
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    for p, q in zip(ours_params, their_params):  # the fold divides where the clip in place multiplies
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world, mesh_shape", [(2, (2,)), (4, (2, 2))], ids=["fsdp", "hsdp"])
+def test_fsdp2_norm_in_backward_is_the_post_backward_norm(world, mesh_shape, tmp_path):
+    spawn(fsdp2_backward_norm_worker, world, rendezvous(tmp_path), mesh_shape)

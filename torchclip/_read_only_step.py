@@ -41,13 +41,14 @@ def unhooked_step(optimizer_class):
 
 
 def _group_on_kernels(group, params) -> bool:
-    """Whether torchclip's kernels may take a group's step: fused, on the CPU, a float learning rate (a
-    tensor lr takes torch's tensor_lr kernels)."""
+    """Whether torchclip's kernels may take a group's step: fused, plain tensors (an FSDP2 DTensor takes
+    torch's step) on the CPU, a float learning rate (a tensor lr takes torch's tensor_lr kernels)."""
     return (
         bool(params)
         and group["fused"]
         and not group.get("differentiable", False)
         and params[0].device.type == "cpu"
+        and all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in params)
         and not isinstance(group["lr"], torch.Tensor)
     )
 

@@ -19,9 +19,13 @@ the step recognises (GradScaler then hands it found_inf without grad_scale) and 
 again for, and writes through `.data`, which nothing can see: do not change `.grad.data` between backward
 and the step. `no_sync()` skips the hooks for micro-batches whose gradients are not final yet.
 
-Under torch.distributed the hooks measure nothing (DDP's reduction can rewrite a gradient after its hook
-without a version bump): every gradient is measured at the step, as without norm_in_backward. Measuring
-DDP's reduced buckets (a comm hook) and FSDP2's reduce-scatter output is the next step.
+Under torch.distributed: FSDP2 runs the hooks on its sharded parameters after its reduce-scatter, the
+post-divide and the accumulation, so a DTensor gradient is final there; the step combines the shards'
+measurements in one collective (torchclip.distributed's, the exact sums' with exact norms), and the clip
+folds into the fused step. DDP's reduction rewrites a plain gradient after its hook (with
+gradient_as_bucket_view, without a version bump), so there the hooks stand aside; `reduced_by(ddp_model)`
+measures the reduced buckets in DDP's comm hook instead, tied to the gradients DDP writes at the end of
+backward. Without it every plain gradient under torch.distributed is measured at the step.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from torchclip import _C, _ops
 @dataclass
 class _Measured:
     grad: weakref.ref  # the gradient measured, not kept alive
-    version: int
+    version: object  # _version_of(grad) when measured
     exact: bool
     value: Tensor  # exact: the gradient's ExactSum row (int64, 138); else its float64 norm (0-d)
 
@@ -49,6 +53,15 @@ def _reduced_after_backward() -> bool:
     backward, and with gradient_as_bucket_view its collective writes the bucket the gradient views without
     bumping its version. There every gradient is measured at the step, as without the hooks."""
     return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _is_dtensor(grad) -> bool:
+    return grad is not None and hasattr(grad, "_local_tensor") and hasattr(grad, "placements")
+
+
+def _version_of(grad: Tensor):
+    """The version counters that an in-place write to the gradient bumps (a DTensor's and its shard's)."""
+    return (grad._version, grad._local_tensor._version) if _is_dtensor(grad) else grad._version
 
 
 def _measurable(grad: Tensor | None, exact: bool) -> bool:
@@ -76,6 +89,8 @@ class BackwardNorms:
 
     def __init__(self, optimizer, exact: bool):
         self._measured: dict[Tensor, _Measured] = {}
+        self._reduced: dict[Tensor, tuple[bool, Tensor]] = {}  # DDP's reduced gradients, measured this backward
+        self._settling = False  # a check of the reduced gradients is queued at the end of this backward
         self._paused = False
         self._exact = exact  # the mode the last step asked for: the hooks measure in it
         self.taken_in_backward = 0
@@ -88,14 +103,76 @@ class BackwardNorms:
         ]
 
     def _on_final_grad(self, param: Tensor) -> None:
-        if self._paused or _reduced_after_backward():
-            return
         grad = param.grad
-        if not _measurable(grad, self._exact):
+        # FSDP2 runs this hook on its sharded parameters after the reduce-scatter, the post-divide and the
+        # accumulation (a DTensor gradient is final); a plain gradient under torch.distributed is not.
+        if self._paused or (not _is_dtensor(grad) and _reduced_after_backward()):
+            return
+        piece = grad._local_tensor if _is_dtensor(grad) else grad
+        if not _measurable(piece, self._exact):
             self._measured.pop(param, None)
             return
-        value = _measure(grad, self._exact)
-        self._measured[param] = _Measured(weakref.ref(grad), grad._version, self._exact, value)
+        value = _measure(piece, self._exact)
+        self._measured[param] = _Measured(weakref.ref(grad), _version_of(grad), self._exact, value)
+
+    def reduced_by(self, ddp_model, hook=None, state=None) -> None:
+        """Measure the gradients of `ddp_model` (a DistributedDataParallel) as they come out of its reduction,
+        bucket by bucket, instead of at the step: registers the model's comm hook (DDP takes one), a wrapper
+        around `hook` (called as hook(state, bucket); default: DDP's averaging all-reduce over its process
+        group). DDP's no_sync() skips the reduction, and so the measurements, of the micro-batches under it.
+
+        Raises:
+            TypeError: ddp_model is not a DistributedDataParallel.
+        """
+        if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+            raise TypeError(f"ddp_model must be a DistributedDataParallel, got {type(ddp_model).__name__}")
+        if hook is None:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            hook, state = allreduce_hook, ddp_model.process_group
+
+        def measured_hook(_, bucket):
+            base = bucket.buffer().storage_offset()
+            pieces = [
+                (p, g.storage_offset() - base, g.numel()) for p, g in zip(bucket.parameters(), bucket.gradients())
+            ]
+            exact = self._exact
+            self._settle_at_the_end_of_backward()
+
+            def measure(future):
+                reduced = future.value()
+                reduced = reduced[0] if isinstance(reduced, list) else reduced
+                flat = reduced.reshape(-1)
+                if not self._paused and self._handles is not None:
+                    for p, offset, numel in pieces:
+                        piece = flat.narrow(0, offset, numel)
+                        if _ops.kernels_serve([piece]) and (not exact or piece.device.type == "cpu"):
+                            self._reduced[p] = (exact, _measure(piece, exact))
+                return reduced
+
+            return hook(state, bucket).then(measure)
+
+        ddp_model.register_comm_hook(None, measured_hook)
+
+    def _settle_at_the_end_of_backward(self) -> None:
+        """DDP writes the reduced gradients into `.grad` in its own end-of-backward callback, queued after the
+        comm hooks ran; this callback queues the check after it, so the measurements are tied to the gradient
+        tensors and versions the step will see."""
+        if self._settling:
+            return
+        self._settling = True
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(lambda: engine.queue_callback(self._settle))
+
+    def _settle(self) -> None:
+        self._settling = False
+        reduced, self._reduced = self._reduced, {}
+        if self._handles is None:  # removed
+            return
+        for p, (exact, value) in reduced.items():
+            grad = p.grad
+            if grad is not None:
+                self._measured[p] = _Measured(weakref.ref(grad), grad._version, exact, value)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -120,16 +197,28 @@ class BackwardNorms:
         self.taken_in_backward, self.taken_after_backward = 0, len(grads)
         if not grads or len({g.device for _, g in grads}) != 1:
             return None
+        dtensors = [_is_dtensor(g) for _, g in grads]
+        shards = None
+        if any(dtensors):
+            from torchclip.distributed import dtensor_shards
+
+            shards = dtensor_shards([g for _, g in grads]) if all(dtensors) else None
+            if shards is None:
+                return None
         values, after = [], 0
         for p, g in grads:
             record = measured.get(p)
-            if record is None or record.grad() is not g or record.version != g._version or record.exact != exact:
-                if not _measurable(g, exact):
+            if record is None or record.grad() is not g or record.version != _version_of(g) or record.exact != exact:
+                piece = g._local_tensor if shards is not None else g
+                if not _measurable(piece, exact):
                     return None
-                record = _Measured(weakref.ref(g), g._version, exact, _measure(g, exact))
+                record = _Measured(weakref.ref(g), _version_of(g), exact, _measure(piece, exact))
                 after += 1
             values.append(record.value)
         self.taken_in_backward, self.taken_after_backward = len(grads) - after, after
+        dtype = torch.promote_types(_result_type([g for _, g in grads]), torch.float32)
+        if shards is not None:
+            return self._combine_shards(shards, values, exact, dtype, grads[0][1].device)
         if exact:
             rows = torch.stack(values)
             # Integer sums: every gradient's row and their total, rounded once each.
@@ -138,17 +227,29 @@ class BackwardNorms:
         else:
             norms = torch.stack(values)
             total = _ops.multi_tensor_norm(values, 2.0, False, False, torch.float64)[0]  # the norm of the norms
-        dtype = torch.promote_types(_result_type([g for _, g in grads]), torch.float32)
         return total.to(dtype), norms
+
+    @staticmethod
+    def _combine_shards(shards, values, exact: bool, dtype, device) -> tuple[Tensor, Tensor]:
+        """The global norms from this rank's measurements of its DTensor shards: one collective, as
+        torchclip.distributed takes them after backward (the pieces this rank does not count are zeros)."""
+        from torchclip.distributed import sharded_norms
+
+        local = torch.stack([v.cpu() for v in values])
+        local[[not counted for counted in shards.counted]] = 0
+        total, norms = sharded_norms(shards, 2.0, per_tensor=True, exact=exact, local=local)
+        return total.to(device=device, dtype=dtype), norms
 
     def discard(self) -> None:
         """Forget the measurements (a step that does not fold the clip)."""
         self._measured = {}
 
     def remove(self) -> None:
-        for handle in self._handles:
+        """Remove the hooks (a comm hook reduced_by registered stays with DDP, which cannot drop one: it
+        goes on reducing as the hook it wraps, and measures nothing)."""
+        for handle in self._handles or []:
             handle.remove()
-        self._handles = []
+        self._handles = None
         self._measured = {}
 
 

@@ -148,21 +148,25 @@ def _all_add(rows: Tensor, groups) -> Tensor:
     return rows
 
 
-def _exact_norms(shards: Shards, norm_type: float, per_tensor: bool) -> tuple[Tensor, Tensor | None]:
-    rows = _all_add(_exact_sums(shards, norm_type, per_tensor), shards.groups)
+def _exact_norms(
+    shards: Shards, norm_type: float, per_tensor: bool, local: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
+    rows = _all_add(_exact_sums(shards, norm_type, per_tensor) if local is None else local, shards.groups)
     total = _ops.norms_of_exact_sums(rows.sum(dim=0, keepdim=True), norm_type)[0]
     return total, (_ops.norms_of_exact_sums(rows, norm_type) if per_tensor else None)
 
 
 def sharded_norms(
-    shards: Shards, norm_type: float, per_tensor: bool = False, exact: bool = False
+    shards: Shards, norm_type: float, per_tensor: bool = False, exact: bool = False, local: Tensor | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """(global total norm, global per-tensor norms or None), float64 on the CPU, the same on every rank.
 
     Without per_tensor the collective carries one scalar per rank; with it (aligned shards only), one
     value per gradient, and the total is formed from the global per-tensor norms. p = 0 takes the
     per-tensor route whenever the shards are aligned: torch's p = 0 total counts whole tensors. With
-    exact (p = 1, 2), exact sums are exchanged instead (kExactSumColumns int64s per row; see above)."""
+    exact (p = 1, 2), exact sums are exchanged instead (kExactSumColumns int64s per row; see above).
+    local: with per_tensor, this rank's values already taken (norm_in_backward's measurements): the exact
+    sums' rows, or each piece's norm, zero where this rank does not count its piece."""
     if per_tensor and not shards.aligned:
         raise ValueError(
             "per_tensor: per-tensor norms need every rank to hold pieces of the same gradients "
@@ -171,8 +175,8 @@ def sharded_norms(
     # Decided by the order alone, so every rank takes the same collective (a complex piece's 1-norm
     # enters its rank's exact sum as a float64 value).
     if exact and norm_type in (1.0, 2.0):
-        return _exact_norms(shards, norm_type, per_tensor)
-    local = _local_norms(shards, norm_type)
+        return _exact_norms(shards, norm_type, per_tensor, local)
+    local = _local_norms(shards, norm_type) if local is None else local
     if per_tensor or (norm_type == 0.0 and shards.aligned):
         norms = _all_combine(local, norm_type, shards.groups)
         return _total_of_tensor_norms(norms, norm_type), (norms if per_tensor else None)

@@ -89,6 +89,8 @@ class _Trainer:
             norm_in_backward=name == "in backward",
         )
         self.optimizer.grad_clip_attachment.enabled = name in ("folded", "in backward")
+        if ddp and name == "in backward":
+            self.optimizer.grad_clip_attachment.backward_norms.reduced_by(self.module)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
 
     def step(self, batch) -> tuple[float, float]:
