@@ -65,9 +65,9 @@ inline const auto& sgd_step_() {
 }
 
 inline const auto& adagrad_step_() {
-  static const auto op = find<at::Tensor(at::TensorList, at::TensorList, at::TensorList, at::TensorList, double, double,
-      double, double, bool, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>(
-      "torchclip::adagrad_step_");
+  static const auto op =
+      find<at::Tensor(at::TensorList, at::TensorList, at::TensorList, at::TensorList, double, double, double, double,
+          bool, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>("torchclip::adagrad_step_");
   return op;
 }
 

@@ -21,25 +21,17 @@ struct AdagradCoefficients {
 
 // n whole vectors of one tensor: param, grad, state sum.
 template <typename T>
-void adagrad_blocks(
-    T* const (&at)[3], int64_t n, const AdagradStep& h, const AdagradCoefficients<typename Lanes<T>::Opmath>& c) {
+void adagrad_blocks(T* const (&at)[3], int64_t n, const AdagradStep& h,
+    const AdagradCoefficients<typename Lanes<T>::Opmath>& c) {
   using L = Lanes<T>;
   using V = typename L::V;
   T* param = at[0];
   const T* grad = at[1];
   T* state_sum = at[2];
   for (int64_t i = 0; i < n; i += L::kWidth) {
-    V p = L::load(param + i);
-    V g = L::load(grad + i);
-    if (h.grad_scale) {
-      g = g / splat<V>(c.grad_scale);
-    }
-    if (h.maximize) {
-      g = g * splat<V>(-1);
-    }
-    if (h.weight_decay != 0) {
-      g = fused_multiply_add(p, splat<V>(c.weight_decay), g);
-    }
+    const V p = L::load(param + i);
+    const V g = step_gradient(L::load(grad + i), p, h.grad_scale != nullptr, splat<V>(c.grad_scale), h.maximize,
+        h.weight_decay != 0, splat<V>(c.weight_decay));
     const V sum = fused_multiply_add(g, g, L::load(state_sum + i));
     L::store(state_sum + i, sum);
     const V deviation = square_root(sum) + splat<V>(c.eps);
@@ -64,7 +56,7 @@ void adagrad_step(const TensorSpan* params, const TensorSpan* grads, const Tenso
       const auto at = [&](const TensorSpan& span) { return static_cast<T*>(span.data) + piece.begin; };
       T* const streams[] = {at(params[i]), at(grads[i]), at(state_sums[i])};
       step_with_tail(streams, piece.end - piece.begin,
-          [&](T* const (&blocks)[3], int64_t n) { adagrad_blocks<T>(blocks, n, h, c); });
+          [&](T* const(&blocks)[3], int64_t n) { adagrad_blocks<T>(blocks, n, h, c); });
     });
   });
 }

@@ -64,19 +64,10 @@ void step_blocks(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, T* max_exp_
   const V lerp_coefficient = splat<V>(lerp_from_exp_avg ? c.lerp_weight : c.lerp_weight - 1);
   for (int64_t i = 0; i < n; i += L::kWidth) {
     V p = L::load(param + i);
-    V g = L::load(grad + i);
-    if (h.grad_scale) {
-      g = g / splat<V>(c.inverse_scale_divisor);
-    }
-    if (h.maximize) {
-      g = g * splat<V>(-1);
-    }
-    if (h.weight_decay != 0) {
-      if constexpr (kDecoupled) {
-        p = p * splat<V>(c.decay_factor);
-      } else {
-        g = fused_multiply_add(p, splat<V>(c.weight_decay), g);
-      }
+    const V g = step_gradient(L::load(grad + i), p, h.grad_scale != nullptr, splat<V>(c.inverse_scale_divisor),
+        h.maximize, !kDecoupled && h.weight_decay != 0, splat<V>(c.weight_decay));
+    if (kDecoupled && h.weight_decay != 0) {
+      p = p * splat<V>(c.decay_factor);
     }
     V m = L::load(exp_avg + i);
     m = fused_multiply_add(lerp_coefficient, g - m, lerp_from_exp_avg ? m : g);
@@ -99,7 +90,7 @@ void step_run(const Streams& s, int64_t n, const AdamStep& h, double step) {
   const auto c = coefficients<typename Lanes<T>::Opmath>(h, step);
   T* const streams[] = {static_cast<T*>(s.param), const_cast<T*>(static_cast<const T*>(s.grad)),
       static_cast<T*>(s.exp_avg), static_cast<T*>(s.exp_avg_sq), static_cast<T*>(s.max_exp_avg_sq)};
-  step_with_tail(streams, n, [&](T* const (&at)[5], int64_t count) {
+  step_with_tail(streams, n, [&](T* const(&at)[5], int64_t count) {
     step_blocks<T, kDecoupled>(at[0], at[1], at[2], at[3], at[4], count, h, c);
   });
 }

@@ -89,8 +89,8 @@ struct KernelTable {
 
   // One fused SGD step of every tensor, torch's CPU fused kernel's arithmetic, the gradients only read as
   // adam_step's; momentum_buffers is null without momentum.
-  void (*sgd_step)(const TensorSpan* params, const TensorSpan* grads, const TensorSpan* momentum_buffers,
-      int64_t count, const SgdStep* hyper);
+  void (*sgd_step)(const TensorSpan* params, const TensorSpan* grads, const TensorSpan* momentum_buffers, int64_t count,
+      const SgdStep* hyper);
 
   // One fused Adagrad step of every tensor, torch's CPU fused kernel's arithmetic (steps[i]: tensor i's step
   // count, already counted up), the gradients only read as adam_step's.

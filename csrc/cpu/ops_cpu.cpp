@@ -646,8 +646,8 @@ std::optional<float> host_float(const at::Tensor& t) {
 struct ScaleAndSkip {
   std::optional<float> scale, skip;
 };
-std::optional<ScaleAndSkip> scale_and_skip(
-    const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+std::optional<ScaleAndSkip> scale_and_skip(const std::optional<at::Tensor>& grad_scale,
+    const std::optional<at::Tensor>& found_inf) {
   ScaleAndSkip read;
   for (const auto& [given, value] : {std::pair{&grad_scale, &read.scale}, std::pair{&found_inf, &read.skip}}) {
     if (given->has_value()) {
@@ -668,8 +668,8 @@ bool walks_beside(const at::Tensor& state, const at::Tensor& param) {
 }
 
 // The spans of params and of each list walked beside them (grads first), or nullopt where one is not.
-std::optional<std::vector<std::vector<cpu::TensorSpan>>> step_spans(
-    at::TensorList params, std::initializer_list<at::TensorList> beside) {
+std::optional<std::vector<std::vector<cpu::TensorSpan>>> step_spans(at::TensorList params,
+    std::initializer_list<at::TensorList> beside) {
   std::vector<std::vector<cpu::TensorSpan>> spans(1 + beside.size());
   for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor& p = params[i];
@@ -763,11 +763,11 @@ at::Tensor sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorL
   if (read->skip == 1.0f) {
     return stepped(true);
   }
-  const cpu::SgdStep hyper{
-      lr, weight_decay, momentum, dampening, nesterov, maximize, is_first_step, read->scale ? &*read->scale : nullptr};
+  const cpu::SgdStep hyper{lr, weight_decay, momentum, dampening, nesterov, maximize, is_first_step,
+      read->scale ? &*read->scale : nullptr};
   const auto& s = *spans;
-  cpu_kernels().sgd_step(
-      s[0].data(), s[1].data(), has_momentum ? s[2].data() : nullptr, static_cast<int64_t>(n), &hyper);
+  cpu_kernels().sgd_step(s[0].data(), s[1].data(), has_momentum ? s[2].data() : nullptr, static_cast<int64_t>(n),
+      &hyper);
   return stepped(true);
 }
 
@@ -776,8 +776,8 @@ at::Tensor adagrad_step_cpu(at::TensorList params, at::TensorList grads, at::Ten
     const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
   constexpr const char* op = "torchclip.adagrad_step_";
   const size_t n = params.size();
-  check_one_per_parameter(
-      op, n, {{"grads", grads.size()}, {"state_sums", state_sums.size()}, {"state_steps", state_steps.size()}});
+  check_one_per_parameter(op, n,
+      {{"grads", grads.size()}, {"state_sums", state_sums.size()}, {"state_steps", state_steps.size()}});
   const auto read = scale_and_skip(grad_scale, found_inf);
   const auto spans = step_spans(params, {grads, state_sums});
   if (!read || !spans || !counts_on_host(state_steps)) {

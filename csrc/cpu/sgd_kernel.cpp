@@ -32,17 +32,9 @@ void sgd_blocks(T* const (&at)[3], int64_t n, const SgdStep& h, const SgdCoeffic
   const T* grad = at[1];
   T* momentum_buffer = at[2];
   for (int64_t i = 0; i < n; i += L::kWidth) {
-    V p = L::load(param + i);
-    V g = L::load(grad + i);
-    if (h.grad_scale) {
-      g = g / splat<V>(c.grad_scale);
-    }
-    if (h.maximize) {
-      g = g * splat<V>(-1);
-    }
-    if (h.weight_decay != 0) {
-      g = fused_multiply_add(p, splat<V>(c.weight_decay), g);
-    }
+    const V p = L::load(param + i);
+    V g = step_gradient(L::load(grad + i), p, h.grad_scale != nullptr, splat<V>(c.grad_scale), h.maximize,
+        h.weight_decay != 0, splat<V>(c.weight_decay));
     if (momentum_buffer) {
       V b = g;
       if (!h.is_first_step) {
@@ -67,12 +59,12 @@ void sgd_step(const TensorSpan* params, const TensorSpan* grads, const TensorSpa
       using T = std::remove_pointer_t<decltype(typed)>;
       using Opmath = typename Lanes<T>::Opmath;
       const SgdCoefficients<Opmath> c{h.grad_scale ? static_cast<Opmath>(*h.grad_scale) : Opmath(1),
-          static_cast<Opmath>(h.weight_decay), static_cast<Opmath>(h.momentum),
-          static_cast<Opmath>(1 - h.dampening), static_cast<Opmath>(-h.lr)};
+          static_cast<Opmath>(h.weight_decay), static_cast<Opmath>(h.momentum), static_cast<Opmath>(1 - h.dampening),
+          static_cast<Opmath>(-h.lr)};
       const auto at = [&](const TensorSpan& span) { return static_cast<T*>(span.data) + piece.begin; };
       T* const streams[] = {at(params[i]), at(grads[i]), momentum_buffers ? at(momentum_buffers[i]) : nullptr};
       step_with_tail(streams, piece.end - piece.begin,
-          [&](T* const (&blocks)[3], int64_t n) { sgd_blocks<T>(blocks, n, h, c); });
+          [&](T* const(&blocks)[3], int64_t n) { sgd_blocks<T>(blocks, n, h, c); });
     });
   });
 }

@@ -61,6 +61,22 @@ inline f64v square_root(f64v v) {
 #endif
 }
 
+// The gradient as torch's fused steps start from it: divided by grad_scale (where scaled), negated (maximize),
+// and with weight_decay * param added (coupled weight decay, where decay), in that order.
+template <typename V>
+inline V step_gradient(V g, V p, bool scaled, V grad_scale, bool maximize, bool decay, V weight_decay) {
+  if (scaled) {
+    g = g / grad_scale;
+  }
+  if (maximize) {
+    g = g * splat<V>(-1);
+  }
+  if (decay) {
+    g = fused_multiply_add(p, weight_decay, g);
+  }
+  return g;
+}
+
 // Vector loads and stores of one block in the opmath type: float32 for 16/32-bit storage (rounded to
 // nearest even on the way back, as torch's convert_from_float), float64 for float64.
 template <typename T>
