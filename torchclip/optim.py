@@ -15,14 +15,15 @@ fused optimizer the refusal is handed to the kernel as its found_inf instead of 
 
 Folded into fused steps: on torch's fused optimizers (Adam, AdamW, SGD, Adagrad with fused=True; those
 whose step torch marks as reading grad_scale, _step_supports_amp_scaling, which torch 2.11's Adagrad lacks,
-so there the clip runs in place), when one ClipGradByGlobalNorm serves every parameter, the hook computes the global norm alone and hands
-1 / the coefficient to the fused kernel as its grad_scale (multiplied by GradScaler's scale, when the
-gradients are still scaled), and nonfinite="skip" as its found_inf: the kernel divides each gradient
-as it reads it, so the clip costs one read of the gradients and no host sync. torch's kernels write
-the clipped gradient back; torchclip.optim's Adam, AdamW, SGD and Adagrad on the CPU step with
-torchclip's own fused kernels (torchclip/_read_only_step.py), which leave the gradients as they were. Other clips (per tensor, per
-element, excluded parameters) clip in place first; under GradScaler they unscale the gradients first,
-as scaler.unscale_ would.
+so there the clip runs in place), when one ClipGradByGlobalNorm serves every parameter, the hook computes
+the global norm alone and hands 1 / the coefficient to the fused kernel as its grad_scale (multiplied by
+GradScaler's scale, when the gradients are still scaled), and nonfinite="skip" as its found_inf: the
+kernel divides each gradient as it reads it, so the clip costs one read of the gradients and no host
+sync. torch's kernels write the clipped gradient back; torchclip.optim's Adam, AdamW, SGD and Adagrad on
+the CPU step with torchclip's own fused kernels (torchclip/_read_only_step.py), which leave the
+gradients as they were. With norm_in_backward=True even the norm is taken while backward runs
+(torchclip/backward_norm.py). Other clips (per tensor, per element, excluded parameters) clip in place
+first; under GradScaler they unscale the gradients first, as scaler.unscale_ would.
 
 Which clip a parameter gets: its param group's 'grad_clip' (Paddle's per-group setting), else the
 optimizer's grad_clip, else what set_gradient_clip gave it. Parameters sharing one clip object are
@@ -75,8 +76,8 @@ def _fused_step(optimizer, step, *, grad_scale, found_inf, read_only=False):
     """The one place a step is handed a grad_scale and found_inf: torch's fused optimizers take them only
     from the instance, so they are set for the call and then put back as they were (GradScaler deletes
     its own after the step). Going through the instance's step keeps its hooks and LR-scheduler wrappers.
-    read_only: grad_scale is a folded clip's, so torchclip's Adam, AdamW, SGD, Adagrad may take their read-only step,
-    which leaves the gradients unclipped."""
+    read_only: grad_scale is a folded clip's, so torchclip's Adam, AdamW, SGD and Adagrad may take their
+    read-only step, which leaves the gradients unclipped."""
     saved = {name: optimizer.__dict__[name] for name in _STEP_ATTRIBUTES if name in optimizer.__dict__}
     optimizer.grad_scale, optimizer.found_inf, optimizer._torchclip_read_only_step = grad_scale, found_inf, read_only
     try:
