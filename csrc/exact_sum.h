@@ -167,6 +167,22 @@ class ExactSum {
   }
 
   // sqrt of the sum (>= 0), rounded to the nearest float64 (ties to even).
+  // The flags the exact kernels raise beside a sum.
+  static constexpr int64_t kSawNaN = 1, kSawInf = 2;
+
+  // The norm this is the sum of terms of, correctly rounded: the sum itself (p = 1) or its square root
+  // (p = 2, `root`); NaN where `flags` say a NaN was met, else inf where an inf was.
+  TORCHCLIP_HOST_DEVICE double norm(int64_t flags, bool root) const {
+    if (flags & (kSawNaN | kSawInf)) {
+      // (from bits: std::numeric_limits is host code)
+      const uint64_t bits = (flags & kSawNaN) ? 0x7FF8000000000000ull : 0x7FF0000000000000ull;
+      double special;
+      memcpy(&special, &bits, sizeof special);
+      return special;
+    }
+    return root ? sqrt_rounded() : to_double();
+  }
+
   TORCHCLIP_HOST_DEVICE double sqrt_rounded() const {
     ExactSum sum = *this;
     sum.propagate_carries();

@@ -52,6 +52,19 @@ inline std::optional<DType> kernel_dtype(const at::Tensor& t) {
   }
 }
 
+// A tensor the kernels do not walk as it is (ATen's path), as dense real terms an exact sum of squares or
+// absolute values can walk: a complex tensor by its real view (|z|^2 is its parts' squares; its p = 1 norm
+// is no sum of them: the caller's case), a lazy negation or conjugation resolved; nullopt where no kernel
+// dtype holds the values (integers). The copy, if one is made, lives as long as the returned tensor.
+inline std::optional<std::pair<at::Tensor, DType>> exact_terms(const at::Tensor& t) {
+  const at::Tensor real = (t.is_complex() ? at::view_as_real(t.resolve_conj()) : t).resolve_neg().contiguous();
+  const std::optional<DType> dtype = kernel_dtype(real);
+  if (!dtype) {
+    return std::nullopt;
+  }
+  return std::pair{real, *dtype};
+}
+
 // The dtype torch.nn.utils.get_total_norm returns: the promotion of the inputs, real for complex.
 inline at::ScalarType total_norm_dtype(at::ScalarType promoted) {
   return at::isComplexType(promoted) ? c10::toRealValueType(promoted) : promoted;

@@ -258,14 +258,12 @@ ExactPartial reduce_piece(const TensorSpan& span, int64_t begin, int64_t end, No
   return partial;
 }
 
+int64_t flags_of(const ExactPartial& partial) {
+  return (partial.has_nan ? ExactSum::kSawNaN : 0) | (partial.has_inf ? ExactSum::kSawInf : 0);
+}
+
 double rounded_norm(const ExactPartial& partial, NormKind kind) {
-  if (partial.has_nan) {
-    return std::numeric_limits<double>::quiet_NaN();
-  }
-  if (partial.has_inf) {
-    return std::numeric_limits<double>::infinity();
-  }
-  return kind == NormKind::One ? partial.sum.to_double() : partial.sum.sqrt_rounded();
+  return partial.sum.norm(flags_of(partial), kind == NormKind::Two);
 }
 
 }  // namespace
@@ -322,7 +320,7 @@ void exact_norms(const TensorSpan* spans, int64_t count, NormKind kind, double* 
     all.add(partial);
   }
   *total = all.sum;
-  *total_flags = (all.has_nan ? 1 : 0) | (all.has_inf ? 2 : 0);
+  *total_flags = static_cast<int32_t>(flags_of(all));
 }
 
 }  // namespace torchclip::cpu

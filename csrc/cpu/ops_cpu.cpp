@@ -95,18 +95,14 @@ ExactInput exact_input(at::TensorList tensors, const Split& split, NormKind kind
       {}};
   for (int64_t i : split.aten_path) {
     const at::Tensor& t = tensors[i];
-    if (t.is_complex() && kind == NormKind::One) {
+    const auto terms = t.is_complex() && kind == NormKind::One ? std::nullopt : exact_terms(t);
+    if (!terms) {
       input.inexact.push_back(i);
       continue;
     }
-    const at::Tensor real = (t.is_complex() ? at::view_as_real(t.resolve_conj()) : t).resolve_neg().contiguous();
-    const std::optional<DType> dtype = kernel_dtype(real);
-    if (!dtype) {
-      input.inexact.push_back(i);
-      continue;
-    }
+    const auto& [real, dtype] = *terms;
     input.dense.push_back(real);
-    input.spans.push_back({real.data_ptr(), real.numel(), *dtype});
+    input.spans.push_back({real.data_ptr(), real.numel(), dtype});
     input.sources.push_back(i);
   }
   return input;
@@ -116,12 +112,9 @@ NormKind exact_kind(double ord) {
   return ord == 1.0 ? NormKind::One : NormKind::Two;
 }
 
-// The correctly rounded norm of an exact sum, NaN and inf as the kernels flag them (1: NaN, 2: inf).
+// The correctly rounded norm of an exact sum, NaN and inf as the kernels flag them (ExactSum::norm).
 double exact_norm_of(const ExactSum& sum, int32_t flags, NormKind kind) {
-  return (flags & 1)          ? std::numeric_limits<double>::quiet_NaN()
-      : (flags & 2)           ? std::numeric_limits<double>::infinity()
-      : kind == NormKind::One ? sum.to_double()
-                              : sum.sqrt_rounded();
+  return sum.norm(flags, kind == NormKind::Two);
 }
 
 // An inexact tensor's p = 1 norm (float64, by ATen) into an exact sum of |x| terms, as one more term:

@@ -24,8 +24,8 @@ constexpr int kLaneTerms = 32;  // a warp's sub-block: 32 x 32 = 1,024 terms, th
 constexpr int kQuantumBits = 43;
 constexpr int kMaxLevels = 16;
 constexpr int kDigits = ExactSum::kDigits;
-constexpr unsigned kHasNaN = 1;
-constexpr unsigned kHasInf = 2;
+constexpr unsigned kHasNaN = ExactSum::kSawNaN;
+constexpr unsigned kHasInf = ExactSum::kSawInf;
 static_assert(kExactAccumulatorWords == kDigits + 1, "an accumulator is ExactSum's digits, then the flags");
 
 // The bits after the leading one of a storage type's mantissa (cpu/exact_norm_kernel.cpp's kTrailingBits).
@@ -242,10 +242,7 @@ __device__ void exact_chunk(const Table& table, int t, int64_t chunk, long long*
   }
   const unsigned long long tensor_flags = __ldcg(reinterpret_cast<unsigned long long*>(tensor_digits + kDigits));
   const ExactSum sum = ExactSum::from_digits(gathered);
-  norms[table.index[t]] = (tensor_flags & kHasNaN) ? CUDART_NAN
-      : (tensor_flags & kHasInf)                   ? CUDART_INF
-      : kKind == NormKind::One                     ? sum.to_double()
-                                                   : sum.sqrt_rounded();
+  norms[table.index[t]] = sum.norm(static_cast<int64_t>(tensor_flags), kKind == NormKind::Two);
 }
 
 template <NormKind kKind, typename Table>
@@ -287,10 +284,7 @@ __global__ void __launch_bounds__(kTotalThreads) exact_total_kernel(const long l
     gathered[d] = digits[d];
   }
   const ExactSum sum = ExactSum::from_digits(gathered);
-  const double result = (flags & kHasNaN) ? CUDART_NAN
-      : (flags & kHasInf)                 ? CUDART_INF
-      : kind == NormKind::One             ? sum.to_double()
-                                          : sum.sqrt_rounded();
+  const double result = sum.norm(static_cast<int64_t>(flags), kind == NormKind::Two);
   *total = result;
   if (coefficient != nullptr) {
     const double c = max_norm * (1.0 / (result + eps));

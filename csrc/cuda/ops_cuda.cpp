@@ -141,13 +141,13 @@ bool exact_norms_into(at::TensorList tensors, const DeviceSplit& split, double o
       added_norms.emplace_back(i, aten_norm(t, 1.0));
       continue;
     }
-    const at::Tensor real = (t.is_complex() ? at::view_as_real(t.resolve_conj()) : t).resolve_neg().contiguous();
-    const std::optional<DType> dtype = kernel_dtype(real);
-    if (!dtype) {
+    const auto terms = exact_terms(t);
+    if (!terms) {
       return false;
     }
+    const auto& [real, dtype] = *terms;
     dense.push_back(real);
-    spans.push_back({real.data_ptr(), real.numel(), *dtype, static_cast<int32_t>(i)});
+    spans.push_back({real.data_ptr(), real.numel(), dtype, static_cast<int32_t>(i)});
   }
   const int64_t count = static_cast<int64_t>(tensors.size());
   const at::TensorOptions options = float64_on(split.device);
