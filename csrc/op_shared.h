@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/linalg_vector_norm.h>
 #include <ATen/ops/ones.h>
+#include <ATen/ops/view_as_real.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
