@@ -216,7 +216,7 @@ class BackwardNorms:
                 after += 1
             values.append(record.value)
         self.taken_in_backward, self.taken_after_backward = len(grads) - after, after
-        dtype = torch.promote_types(_result_type([g for _, g in grads]), torch.float32)
+        dtype = torch.promote_types(_ops.total_norm_dtype([g for _, g in grads]), torch.float32)
         if shards is not None:
             return self._combine_shards(shards, values, exact, dtype, grads[0][1].device)
         if exact:
@@ -251,10 +251,3 @@ class BackwardNorms:
             handle.remove()
         self._handles = None
         self._measured = {}
-
-
-def _result_type(tensors) -> torch.dtype:
-    dtype = tensors[0].dtype
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype

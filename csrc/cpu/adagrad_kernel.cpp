@@ -44,20 +44,14 @@ void adagrad_blocks(T* const (&at)[3], int64_t n, const AdagradStep& h,
 void adagrad_step(const TensorSpan* params, const TensorSpan* grads, const TensorSpan* state_sums, const double* steps,
     int64_t count, const AdagradStep* hyper) {
   const AdagradStep& h = *hyper;
-  const ChunkPlan plan = plan_chunks(params, count);
-  parallel_for_pieces(plan, params, [&](const Piece& piece) {
-    const int64_t i = piece.tensor;
-    dispatch_dtype(params[i].dtype, [&](auto* typed) {
-      using T = std::remove_pointer_t<decltype(typed)>;
-      using Opmath = typename Lanes<T>::Opmath;
-      const double decayed_lr = h.lr / (1.0 + (steps[i] - 1.0) * h.lr_decay);
-      const AdagradCoefficients<Opmath> c{h.grad_scale ? static_cast<Opmath>(*h.grad_scale) : Opmath(1),
-          static_cast<Opmath>(h.weight_decay), static_cast<Opmath>(h.eps), static_cast<Opmath>(decayed_lr)};
-      const auto at = [&](const TensorSpan& span) { return static_cast<T*>(span.data) + piece.begin; };
-      T* const streams[] = {at(params[i]), at(grads[i]), at(state_sums[i])};
-      step_with_tail(streams, piece.end - piece.begin,
-          [&](T* const(&blocks)[3], int64_t n) { adagrad_blocks<T>(blocks, n, h, c); });
-    });
+  const TensorSpan* const lists[] = {params, grads, state_sums};
+  step_every_tensor(lists, count, [&](int64_t i, auto* typed) {
+    using T = std::remove_pointer_t<decltype(typed)>;
+    using Opmath = typename Lanes<T>::Opmath;
+    const double decayed_lr = h.lr / (1.0 + (steps[i] - 1.0) * h.lr_decay);
+    const AdagradCoefficients<Opmath> c{h.grad_scale ? static_cast<Opmath>(*h.grad_scale) : Opmath(1),
+        static_cast<Opmath>(h.weight_decay), static_cast<Opmath>(h.eps), static_cast<Opmath>(decayed_lr)};
+    return [&h, c](T* const(&at)[3], int64_t n) { adagrad_blocks<T>(at, n, h, c); };
   });
 }
 

@@ -47,14 +47,6 @@ Coefficients<Opmath> coefficients(const AdamStep& h, double step) {
       static_cast<Opmath>(-(h.lr / bias_correction1))};
 }
 
-struct Streams {
-  void* param;
-  const void* grad;
-  void* exp_avg;
-  void* exp_avg_sq;
-  void* max_exp_avg_sq;  // null unless amsgrad
-};
-
 template <typename T, bool kDecoupled>
 void step_blocks(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, T* max_exp_avg_sq, int64_t n, const AdamStep& h,
     const Coefficients<typename Lanes<T>::Opmath>& c) {
@@ -85,37 +77,23 @@ void step_blocks(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, T* max_exp_
   }
 }
 
-template <typename T, bool kDecoupled>
-void step_run(const Streams& s, int64_t n, const AdamStep& h, double step) {
-  const auto c = coefficients<typename Lanes<T>::Opmath>(h, step);
-  T* const streams[] = {static_cast<T*>(s.param), const_cast<T*>(static_cast<const T*>(s.grad)),
-      static_cast<T*>(s.exp_avg), static_cast<T*>(s.exp_avg_sq), static_cast<T*>(s.max_exp_avg_sq)};
-  step_with_tail(streams, n, [&](T* const(&at)[5], int64_t count) {
-    step_blocks<T, kDecoupled>(at[0], at[1], at[2], at[3], at[4], count, h, c);
-  });
-}
-
 }  // namespace
 
 void adam_step(const TensorSpan* params, const TensorSpan* grads, const TensorSpan* exp_avgs,
     const TensorSpan* exp_avg_sqs, const TensorSpan* max_exp_avg_sqs, const double* steps, int64_t count,
     const AdamStep* hyper) {
   const AdamStep& h = *hyper;
-  const ChunkPlan plan = plan_chunks(params, count);
-  parallel_for_pieces(plan, params, [&](const Piece& piece) {
-    const int64_t i = piece.tensor;
-    dispatch_dtype(params[i].dtype, [&](auto* typed) {
-      using T = std::remove_pointer_t<decltype(typed)>;
-      const auto at = [&](const TensorSpan& span) { return static_cast<T*>(span.data) + piece.begin; };
-      const Streams s{at(params[i]), at(grads[i]), at(exp_avgs[i]), at(exp_avg_sqs[i]),
-          max_exp_avg_sqs ? at(max_exp_avg_sqs[i]) : nullptr};
-      const int64_t n = piece.end - piece.begin;
+  const TensorSpan* const lists[] = {params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs};
+  step_every_tensor(lists, count, [&](int64_t i, auto* typed) {
+    using T = std::remove_pointer_t<decltype(typed)>;
+    const auto c = coefficients<typename Lanes<T>::Opmath>(h, steps[i]);
+    return [&h, c](T* const(&at)[5], int64_t n) {
       if (h.decoupled_weight_decay) {
-        step_run<T, true>(s, n, h, steps[i]);
+        step_blocks<T, true>(at[0], at[1], at[2], at[3], at[4], n, h, c);
       } else {
-        step_run<T, false>(s, n, h, steps[i]);
+        step_blocks<T, false>(at[0], at[1], at[2], at[3], at[4], n, h, c);
       }
-    });
+    };
   });
 }
 

@@ -52,20 +52,14 @@ void sgd_blocks(T* const (&at)[3], int64_t n, const SgdStep& h, const SgdCoeffic
 void sgd_step(const TensorSpan* params, const TensorSpan* grads, const TensorSpan* momentum_buffers, int64_t count,
     const SgdStep* hyper) {
   const SgdStep& h = *hyper;
-  const ChunkPlan plan = plan_chunks(params, count);
-  parallel_for_pieces(plan, params, [&](const Piece& piece) {
-    const int64_t i = piece.tensor;
-    dispatch_dtype(params[i].dtype, [&](auto* typed) {
-      using T = std::remove_pointer_t<decltype(typed)>;
-      using Opmath = typename Lanes<T>::Opmath;
-      const SgdCoefficients<Opmath> c{h.grad_scale ? static_cast<Opmath>(*h.grad_scale) : Opmath(1),
-          static_cast<Opmath>(h.weight_decay), static_cast<Opmath>(h.momentum), static_cast<Opmath>(1 - h.dampening),
-          static_cast<Opmath>(-h.lr)};
-      const auto at = [&](const TensorSpan& span) { return static_cast<T*>(span.data) + piece.begin; };
-      T* const streams[] = {at(params[i]), at(grads[i]), momentum_buffers ? at(momentum_buffers[i]) : nullptr};
-      step_with_tail(streams, piece.end - piece.begin,
-          [&](T* const(&blocks)[3], int64_t n) { sgd_blocks<T>(blocks, n, h, c); });
-    });
+  const TensorSpan* const lists[] = {params, grads, momentum_buffers};
+  step_every_tensor(lists, count, [&](int64_t, auto* typed) {
+    using T = std::remove_pointer_t<decltype(typed)>;
+    using Opmath = typename Lanes<T>::Opmath;
+    const SgdCoefficients<Opmath> c{h.grad_scale ? static_cast<Opmath>(*h.grad_scale) : Opmath(1),
+        static_cast<Opmath>(h.weight_decay), static_cast<Opmath>(h.momentum), static_cast<Opmath>(1 - h.dampening),
+        static_cast<Opmath>(-h.lr)};
+    return [&h, c](T* const(&at)[3], int64_t n) { sgd_blocks<T>(at, n, h, c); };
   });
 }
 

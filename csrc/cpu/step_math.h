@@ -125,5 +125,26 @@ inline void step_with_tail(T* const (&streams)[kStreams], int64_t n, const Block
   }
 }
 
+// Every tensor's step, its pieces across the threads: for a piece of tensor i, stored as T, each list's span
+// at the piece (a null list: a stream the step does not use) goes to step_with_tail with
+// make_blocks(i, T* tag), which returns what steps n elements at given pointers (the tensor's coefficients
+// computed once per piece). lists[0] are the parameters, lists[1] the gradients (only read).
+template <int kStreams, typename MakeBlocks>
+inline void step_every_tensor(const TensorSpan* const (&lists)[kStreams], int64_t count,
+    const MakeBlocks& make_blocks) {
+  const ChunkPlan plan = plan_chunks(lists[0], count);
+  parallel_for_pieces(plan, lists[0], [&](const Piece& piece) {
+    const int64_t i = piece.tensor;
+    dispatch_dtype(lists[0][i].dtype, [&](auto* typed) {
+      using T = std::remove_pointer_t<decltype(typed)>;
+      T* streams[kStreams];
+      for (int s = 0; s < kStreams; ++s) {
+        streams[s] = lists[s] ? static_cast<T*>(lists[s][i].data) + piece.begin : nullptr;
+      }
+      step_with_tail(streams, piece.end - piece.begin, make_blocks(i, typed));
+    });
+  });
+}
+
 }  // namespace
 }  // namespace torchclip::cpu
