@@ -2,7 +2,8 @@
 # One lease of a GPU machine (issue 19): build in place against the machine's torch, run the CUDA tests
 # and the rest of the suite, time the CUDA rows, break down the host cost. Logs go to $OUT (or bench/out).
 #
-#   bench/on_gpu.sh [build] [test] [suite] [bench] [host] [results]   (default: build test bench host)
+#   bench/on_gpu.sh [build] [test] [suite] [bench] [host] [results] [training] [step] [exact-memory]
+#   (default: build test bench host)
 #
 # The machine's default compiler wrapper (/opt/gcc/bin/g++) once built a _cuda module that crashed while
 # formatting any error message holding an integer; the system GCC does not.
@@ -39,8 +40,24 @@ for step in "${steps[@]}"; do
       ;;
     results)
       "$python" -m torchclip.bench --device cuda --workload gpt2_124m --workload resnet50 --workload 10000x100 \
-        --dtype float32 --dtype bfloat16 --rounds 9 --json "$out/results-cuda.json" --markdown "$out/RESULTS-cuda.md" \
+        --dtype float32 --dtype bfloat16 --rounds 9 --exact --json "$out/results-cuda.json" --markdown "$out/RESULTS-cuda.md" \
         2>&1 | tee "$out/results.txt" | tail -60
+      ;;
+    training)
+      # Whole training steps (issue 33): no clip, torch's clip, folded, the norm in backward (side stream, one stream)
+      "$python" -m torchclip.bench --device cuda --training gpt2-small --training resnet50 --rounds 21 \
+        --json "$out/training-cuda.json" --markdown "$out/RESULTS-training-cuda.md" 2>&1 | tee "$out/training.txt" | tail -20
+      ;;
+    step)
+      "$python" -m torchclip.bench --device cuda --step adamw-fused --step adam-fused --step sgd-fused --rounds 11 \
+        --json "$out/step-cuda.json" 2>&1 | tee "$out/step.txt" | tail -30
+      ;;
+    exact-memory)
+      # What the exact kernels' stack frames reserve on the device: free memory before and after the first launch
+      "$python" -c 'import torch, torchclip; g = [torch.randn(1 << 20, device="cuda")]; torch.cuda.synchronize()
+free = lambda: torch.cuda.mem_get_info()[0] / 2**20
+torchclip.set_exact_norm(True); before = free(); torchclip.get_total_norm(g); torch.cuda.synchronize()
+print(f"exact norm: free device memory {before:.0f} MiB -> {free():.0f} MiB")' 2>&1 | tee "$out/exact_memory.txt"
       ;;
     host)
       "$python" bench/cuda_host_cost.py --workload 10000x100 --workload gpt2_124m --workload resnet50 ${HOST_ARGS:-} 2>&1 | tee "$out/host_cost.txt"

@@ -12,7 +12,7 @@ import torch
 from testing import cuda_only
 
 import torchclip
-from torchclip import ClipGradByGlobalNorm
+from torchclip import ClipGradByGlobalNorm, backward_norm
 
 OPTIMIZERS = {
     "AdamW": {"lr": 1e-2, "weight_decay": 0.1},
@@ -113,6 +113,38 @@ def test_gradient_accumulation_counts_the_last_micro_batch(pause_early):
         assert torch.equal(norm, expected)
     assert optimizer.grad_clip_attachment.backward_norms.taken_after_backward == 0
     assert_same_parameters(ours, theirs, exact=True)
+
+
+@pytest.mark.parametrize("batch_bytes", [1, 600, 1 << 30], ids=["each", "several", "one"])
+def test_batched_measurements_as_cuda_takes_them(monkeypatch, batch_bytes):
+    """CUDA gradients are measured in batches (CUDA_BATCH_BYTES), the rest at the end of backward: that path
+    on CPU gradients, with gradient accumulation, and a backward that raised before its end."""
+    monkeypatch.setattr(backward_norm, "_measured_in_batches", lambda grad: True)
+    monkeypatch.setattr(backward_norm, "CUDA_BATCH_BYTES", batch_bytes)
+    ours, theirs = Model(), Model()
+    optimizer = optimizer_for(ours, "AdamW", norm_in_backward=True)
+    reference = optimizer_for(theirs, "AdamW")
+    measured, after = train(ours, optimizer, micro_batches=3), train(theirs, reference, micro_batches=3)
+    for (norm, _), (their_norm, _) in zip(measured, after):
+        torch.testing.assert_close(norm, their_norm, rtol=1e-6, atol=0)
+    backward_norms = optimizer.grad_clip_attachment.backward_norms
+    assert (backward_norms.taken_in_backward, backward_norms.taken_after_backward) == (4, 0)
+    assert_same_parameters(ours, theirs, exact=False)
+
+    # A backward that raises after two gradients are final leaves them pending, its end never comes
+    x = batches(1, seed=5)[0]
+    failing = ours.first.weight.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("planted")))
+    optimizer.zero_grad()
+    with pytest.raises(RuntimeError, match="planted"):
+        ours(x).square().mean().backward()
+    failing.remove()
+    for model, opt in ((ours, optimizer), (theirs, reference)):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    torch.testing.assert_close(optimizer.grad_clip.last_global_norm, reference.grad_clip.last_global_norm)
+    assert backward_norms.taken_after_backward == 0
+    assert_same_parameters(ours, theirs, exact=False)
 
 
 CHANGES = {
@@ -222,20 +254,22 @@ def test_bad_argument_names_it():
 
 
 @cuda_only
-def test_cuda_norm_from_backward():
-    """On CUDA the hooks measure on the device, behind backward's kernels; exact measurements wait for the step."""
+@pytest.mark.parametrize("batch_bytes", [1, backward_norm.CUDA_BATCH_BYTES], ids=["each", "one-batch"])
+def test_cuda_norm_from_backward(monkeypatch, batch_bytes):
+    """On CUDA the hooks measure on the device in batches, behind backward's kernels; exact measurements wait
+    for the step. The gradients are freed by zero_grad(set_to_none=True) each step."""
+    monkeypatch.setattr(backward_norm, "CUDA_BATCH_BYTES", batch_bytes)
     for exact in (False, True):
         ours, theirs = Model().cuda(), Model().cuda()
         optimizer = optimizer_for(ours, "AdamW", norm_in_backward=True, clip={"exact": exact})
         reference = optimizer_for(theirs, "AdamW", clip={"exact": exact})
         for model, opt in ((ours, optimizer), (theirs, reference)):
             for x in batches(3):
-                opt.zero_grad()
+                opt.zero_grad(set_to_none=True)
                 model(x.cuda()).square().mean().backward()
                 opt.step()
         torch.testing.assert_close(optimizer.grad_clip.last_global_norm, reference.grad_clip.last_global_norm)
-        backward_norms = optimizer.grad_clip_attachment.backward_norms
-        assert backward_norms.taken_after_backward == (4 if exact else 0)
+        assert optimizer.grad_clip_attachment.backward_norms.taken_after_backward == (4 if exact else 0)
         assert_same_parameters(ours, theirs, exact=False)
 
 

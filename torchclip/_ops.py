@@ -189,9 +189,10 @@ def total_norm_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
     (float32, torch's default, for no tensors)."""
     if not tensors:
         return torch.float32
-    dtype = tensors[0].dtype
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
+    dtypes = iter({t.dtype: None for t in tensors})  # (distinct, in order: one promotion per dtype)
+    dtype = next(dtypes)
+    for other in dtypes:
+        dtype = torch.promote_types(dtype, other)
     return dtype.to_real() if dtype.is_complex else dtype
 
 

@@ -3,7 +3,7 @@
 A folded clip (one ClipGradByGlobalNorm over a fused optimizer, torchclip.optim) reads every gradient once
 after backward, for the norm, before the fused step. With `norm_in_backward=True` the attachment measures
 each gradient as soon as it is final instead, from a post-accumulate-grad hook on its parameter (while the
-gradient is still in cache, and, on CUDA, queued behind backward's own kernels); the step then combines
+gradient is still in cache; on CUDA, in batches queued behind backward's kernels); the step then combines
 those measurements and folds the coefficient into the kernel as before. What the hook keeps per parameter:
 the gradient's exact sum of squares (an `ExactSum` row, the 138 int64s ranks exchange) under exact norms,
 else its float64 norm, so the combination is the post-backward norm, the same bits with exact norms and
@@ -64,6 +64,10 @@ def _version_of(grad: Tensor):
     return (grad._version, grad._local_tensor._version) if _is_dtensor(grad) else grad._version
 
 
+def _plain_version(grad: Tensor):
+    return grad._version
+
+
 def _measurable(grad: Tensor | None, exact: bool) -> bool:
     """Whether the kernels measure this gradient on their own: a plain strided tensor of a kernel dtype
     (exact sums: on the CPU)."""
@@ -72,10 +76,22 @@ def _measurable(grad: Tensor | None, exact: bool) -> bool:
     return not exact or grad.device.type == "cpu"
 
 
-def _measure(grad: Tensor, exact: bool) -> Tensor:
+def _measure(grads: list[Tensor], exact: bool) -> list[Tensor]:
+    """Each gradient's measurement, in one call: its exact sum's row, or its float64 norm."""
     if exact:
-        return _C.exact_sums([grad], 2.0, False)[0]
-    return _ops.multi_tensor_norm([grad], 2.0, False, False, torch.float64)[0]
+        return list(_C.exact_sums(grads, 2.0, True).unbind())
+    return list(_ops.multi_tensor_norm(grads, 2.0, False, False, torch.float64)[1].unbind())
+
+
+def _measured_in_batches(grad: Tensor) -> bool:
+    """CUDA gradients wait for a batch; a CPU gradient is measured in its hook, while it is in cache."""
+    return grad.device.type == "cuda"
+
+
+# CUDA gradients are measured a batch of this many bytes at a time, on backward's stream: a launch per
+# gradient cost the host ~60-100 us each (ResNet-50's step, 161 parameters, 45% longer on an H200; batched
+# 4-18%), and a stream of their own cost more host time than it saved (docs/optimizer.md).
+CUDA_BATCH_BYTES = 32 << 20
 
 
 class BackwardNorms:
@@ -92,6 +108,8 @@ class BackwardNorms:
         self._reduced: dict[Tensor, tuple[bool, Tensor]] = {}  # DDP's reduced gradients, measured this backward
         self._settling = False  # a check of the reduced gradients is queued at the end of this backward
         self._paused = False
+        self._pending: list[tuple[Tensor, Tensor, Tensor, object]] = []  # CUDA (param, grad, piece, version)
+        self._pending_bytes = 0
         self._exact = exact  # the mode the last step asked for: the hooks measure in it
         self.taken_in_backward = 0
         self.taken_after_backward = 0
@@ -112,8 +130,32 @@ class BackwardNorms:
         if not _measurable(piece, self._exact):
             self._measured.pop(param, None)
             return
-        value = _measure(piece, self._exact)
+        if _measured_in_batches(piece):
+            self._measure_later(param, grad, piece)
+            return
+        (value,) = _measure([piece], self._exact)
         self._measured[param] = _Measured(weakref.ref(grad), _version_of(grad), self._exact, value)
+
+    def _measure_later(self, param: Tensor, grad: Tensor, piece: Tensor) -> None:
+        """A CUDA gradient joins the batch measured when it holds CUDA_BATCH_BYTES, or when backward ends."""
+        if not self._pending:
+            torch.autograd.Variable._execution_engine.queue_callback(self._measure_pending)
+        self._pending.append((param, grad, piece, _version_of(grad)))
+        self._pending_bytes += piece.numel() * piece.element_size()
+        if self._pending_bytes >= CUDA_BATCH_BYTES:
+            self._measure_pending()
+
+    def _measure_pending(self) -> None:
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
+        if self._handles is None:  # removed during this backward
+            return
+        by_device: dict[torch.device, list] = {}
+        for item in pending:
+            by_device.setdefault(item[2].device, []).append(item)
+        for items in by_device.values():
+            values = _measure([piece for _, _, piece, _ in items], False)
+            for (param, grad, _, version), value in zip(items, values):
+                self._measured[param] = _Measured(weakref.ref(grad), version, False, value)
 
     def reduced_by(self, ddp_model, hook=None, state=None) -> None:
         """Measure the gradients of `ddp_model` (a DistributedDataParallel) as they come out of its reduction,
@@ -144,10 +186,11 @@ class BackwardNorms:
                 reduced = reduced[0] if isinstance(reduced, list) else reduced
                 flat = reduced.reshape(-1)
                 if not self._paused and self._handles is not None:
-                    for p, offset, numel in pieces:
-                        piece = flat.narrow(0, offset, numel)
-                        if _ops.kernels_serve([piece]) and (not exact or piece.device.type == "cpu"):
-                            self._reduced[p] = (exact, _measure(piece, exact))
+                    served = [(p, flat.narrow(0, offset, numel)) for p, offset, numel in pieces]
+                    served = [(p, piece) for p, piece in served if _measurable(piece, exact)]
+                    if served:
+                        for (p, _), value in zip(served, _measure([piece for _, piece in served], exact)):
+                            self._reduced[p] = (exact, value)
                 return reduced
 
             return hook(state, bucket).then(measure)
@@ -190,35 +233,46 @@ class BackwardNorms:
         gradient's norm, float64) from the measurements, measuring what they miss (all of them when
         `stale`); None where a gradient is not measurable (the walk decides then). Every measurement is used
         up: the next step starts anew."""
+        if self._pending:  # (a backward that raised never ran its end-of-backward callback)
+            self._measure_pending()
         measured, self._measured = ({} if stale else self._measured), {}
         self._exact = exact
-        grads = [(p, p.grad) for p in params if p.grad is not None]
+        grads = [(p, g) for p in params if (g := p.grad) is not None]
         # The walk reads every gradient where one is beyond the measurements.
         self.taken_in_backward, self.taken_after_backward = 0, len(grads)
-        if not grads or len({g.device for _, g in grads}) != 1:
+        if not grads:
             return None
-        dtensors = [_is_dtensor(g) for _, g in grads]
-        shards = None
-        if any(dtensors):
-            from torchclip.distributed import dtensor_shards
+        device = grads[0][1].device
+        if any(g.device != device for _, g in grads):
+            return None
+        # (plain gradients take the short way: on a GPU this loop's host time is a sizeable part of a read)
+        shards, version_of = None, _plain_version
+        if not all(type(g) is Tensor for _, g in grads):
+            dtensors, version_of = [_is_dtensor(g) for _, g in grads], _version_of
+            if any(dtensors):
+                from torchclip.distributed import dtensor_shards
 
-            shards = dtensor_shards([g for _, g in grads]) if all(dtensors) else None
-            if shards is None:
-                return None
-        values, after = [], 0
+                shards = dtensor_shards([g for _, g in grads]) if all(dtensors) else None
+                if shards is None:
+                    return None
+        values, missed = [], []
         for p, g in grads:
             record = measured.get(p)
-            if record is None or record.grad() is not g or record.version != _version_of(g) or record.exact != exact:
+            if record is None or record.grad() is not g or record.version != version_of(g) or record.exact != exact:
                 piece = g._local_tensor if shards is not None else g
                 if not _measurable(piece, exact):
                     return None
-                record = _Measured(weakref.ref(g), _version_of(g), exact, _measure(piece, exact))
-                after += 1
-            values.append(record.value)
-        self.taken_in_backward, self.taken_after_backward = len(grads) - after, after
+                missed.append((len(values), piece))
+                values.append(None)
+            else:
+                values.append(record.value)
+        if missed:
+            for (i, _), value in zip(missed, _measure([piece for _, piece in missed], exact)):
+                values[i] = value
+        self.taken_in_backward, self.taken_after_backward = len(grads) - len(missed), len(missed)
         dtype = torch.promote_types(_ops.total_norm_dtype([g for _, g in grads]), torch.float32)
         if shards is not None:
-            return self._combine_shards(shards, values, exact, dtype, grads[0][1].device)
+            return self._combine_shards(shards, values, exact, dtype, device)
         if exact:
             rows = torch.stack(values)
             # Integer sums: every gradient's row and their total, rounded once each.
@@ -226,7 +280,7 @@ class BackwardNorms:
             norms, total = rounded[:-1], rounded[-1]
         else:
             norms = torch.stack(values)
-            total = _ops.multi_tensor_norm(values, 2.0, False, False, torch.float64)[0]  # the norm of the norms
+            total = _ops.multi_tensor_norm([norms], 2.0, False, False, torch.float64)[0]  # the norm of the norms
         return total.to(dtype), norms
 
     @staticmethod
@@ -242,7 +296,7 @@ class BackwardNorms:
 
     def discard(self) -> None:
         """Forget the measurements (a step that does not fold the clip)."""
-        self._measured = {}
+        self._measured, self._pending, self._pending_bytes = {}, [], 0
 
     def remove(self) -> None:
         """Remove the hooks (a comm hook reduced_by registered stays with DDP, which cannot drop one: it
@@ -250,4 +304,4 @@ class BackwardNorms:
         for handle in self._handles or []:
             handle.remove()
         self._handles = None
-        self._measured = {}
+        self.discard()

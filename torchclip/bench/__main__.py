@@ -310,6 +310,8 @@ def parse_args(argv):
         parser.error("--device cuda: torch sees no CUDA device here")
     if args.device == "cuda" and "cuda" not in torchclip._ops.KERNEL_DEVICES:
         parser.error("--device cuda: torchclip was built without its CUDA kernels (TORCHCLIP_CUDA=1)")
+    if args.training and args.device == "cuda" and args.rank_counts != [1]:
+        parser.error(f"--ranks {args.ranks} with --device cuda: the training rows run DDP on the CPU only")
     args.workload = (args.workload or []) + [f"model:{m}" for m in args.model or []]
     for w in args.workload:
         try:
@@ -406,7 +408,9 @@ def main_step(args, rounds) -> int:
         training_rows = [
             row
             for ranks in args.rank_counts
-            for row in training.run(args.training, rounds, warmup=1 if args.quick else 2, ranks=ranks)
+            for row in training.run(
+                args.training, rounds, warmup=1 if args.quick else 2, ranks=ranks, device=args.device
+            )
         ]
         training_table = training.format_table(training_rows)
         print(training_table)
