@@ -587,12 +587,17 @@ def fsdp2_backward_norm_worker(rank, world, init_method, mesh_shape):
     """FSDP2 runs the hooks on its sharded parameters after the reduce-scatter, the post-divide and the
     accumulation: the measured shards combine in one collective into the post-backward norm, bit for bit
     (exact), with gradient accumulation under set_requires_gradient_sync(False) for 2 of 3 micro-batches,
-    and the folded step gives clip-then-step's parameters."""
+    and the folded step gives clip-then-step's parameters. Batched: the shards measured as CUDA's are, in
+    batches and at the end of backward (from inside FSDP2's own end-of-backward callback)."""
+    from torchclip import backward_norm
+
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")  # FSDP; HSDP
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     for exact in (True, False):
         check_fsdp2_norm_in_backward(rank, mesh, exact)
+    backward_norm._measured_in_batches = lambda grad: True
+    check_fsdp2_norm_in_backward(rank, mesh, exact=False)
 
 
 def check_fsdp2_norm_in_backward(rank, mesh, exact):
