@@ -104,7 +104,9 @@ class BackwardNorms:
     """
 
     def __init__(self, optimizer, exact: bool):
-        self._measured: dict[Tensor, _Measured] = {}
+        # Keyed by id(parameter): a Tensor key hashes through Python (torch's Tensor.__hash__), which the
+        # step's lookup of every parameter paid; each record's weak reference to its gradient settles identity.
+        self._measured: dict[int, _Measured] = {}
         self._reduced: dict[Tensor, tuple[bool, Tensor]] = {}  # DDP's reduced gradients, measured this backward
         self._settling = False  # a check of the reduced gradients is queued at the end of this backward
         self._paused = False
@@ -128,13 +130,13 @@ class BackwardNorms:
             return
         piece = grad._local_tensor if _is_dtensor(grad) else grad
         if not _measurable(piece, self._exact):
-            self._measured.pop(param, None)
+            self._measured.pop(id(param), None)
             return
         if _measured_in_batches(piece):
             self._measure_later(param, grad, piece)
             return
         (value,) = _measure([piece], self._exact)
-        self._measured[param] = _Measured(weakref.ref(grad), _version_of(grad), self._exact, value)
+        self._measured[id(param)] = _Measured(weakref.ref(grad), _version_of(grad), self._exact, value)
 
     def _measure_later(self, param: Tensor, grad: Tensor, piece: Tensor) -> None:
         """A CUDA gradient joins the batch measured when it holds CUDA_BATCH_BYTES, or when backward ends."""
@@ -155,7 +157,7 @@ class BackwardNorms:
         for items in by_device.values():
             values = _measure([piece for _, _, piece, _ in items], False)
             for (param, grad, _, version), value in zip(items, values):
-                self._measured[param] = _Measured(weakref.ref(grad), version, False, value)
+                self._measured[id(param)] = _Measured(weakref.ref(grad), version, False, value)
 
     def reduced_by(self, ddp_model, hook=None, state=None) -> None:
         """Measure the gradients of `ddp_model` (a DistributedDataParallel) as they come out of its reduction,
@@ -215,7 +217,7 @@ class BackwardNorms:
         for p, (exact, value) in reduced.items():
             grad = p.grad
             if grad is not None:
-                self._measured[p] = _Measured(weakref.ref(grad), grad._version, exact, value)
+                self._measured[id(p)] = _Measured(weakref.ref(grad), grad._version, exact, value)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -257,7 +259,7 @@ class BackwardNorms:
                     return None
         values, missed = [], []
         for p, g in grads:
-            record = measured.get(p)
+            record = measured.get(id(p))
             if record is None or record.grad() is not g or record.version != version_of(g) or record.exact != exact:
                 piece = g._local_tensor if shards is not None else g
                 if not _measurable(piece, exact):
