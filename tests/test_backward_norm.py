@@ -5,6 +5,7 @@ Oracle: the same model, data and optimizer with norm_in_backward=False (the fold
 against clip-then-step in tests/test_optim_fused.py), and torchclip.get_total_norm of the gradients the step
 saw."""
 
+import contextlib
 import copy
 
 import pytest
@@ -147,6 +148,21 @@ def test_batched_measurements_as_cuda_takes_them(monkeypatch, batch_bytes):
     assert_same_parameters(ours, theirs, exact=False)
 
 
+def test_a_hook_called_outside_backward_measures_at_once(monkeypatch):
+    """The batched path queues its end-of-backward callback from the hook; called outside backward (no
+    graph task to queue on), the hook measures the gradient at once instead."""
+    monkeypatch.setattr(backward_norm, "_measured_in_batches", lambda grad: True)
+    model = Model()
+    optimizer = optimizer_for(model, "AdamW", norm_in_backward=True)
+    backward_norms = optimizer.grad_clip_attachment.backward_norms
+    weight = model.first.weight
+    weight.grad = torch.randn_like(weight)
+    backward_norms._on_final_grad(weight)
+    assert not backward_norms._pending
+    record = backward_norms._measured[id(weight)]
+    torch.testing.assert_close(record.value, weight.grad.double().norm(), rtol=1e-12, atol=0)
+
+
 CHANGES = {
     "in_place": lambda p: p.grad.mul_(3.0),
     "new_tensor": lambda p: setattr(p, "grad", p.grad * 3.0),
@@ -259,14 +275,22 @@ def test_cuda_norm_from_backward(monkeypatch, batch_bytes):
     """On CUDA the hooks measure on the device in batches, behind backward's kernels; exact measurements wait
     for the step. The gradients are freed by zero_grad(set_to_none=True) each step."""
     monkeypatch.setattr(backward_norm, "CUDA_BATCH_BYTES", batch_bytes)
-    for exact in (False, True):
+    side = torch.cuda.Stream()
+    for exact, backward_stream in ((False, None), (True, None), (False, side)):
         ours, theirs = Model().cuda(), Model().cuda()
         optimizer = optimizer_for(ours, "AdamW", norm_in_backward=True, clip={"exact": exact})
         reference = optimizer_for(theirs, "AdamW", clip={"exact": exact})
         for model, opt in ((ours, optimizer), (theirs, reference)):
             for x in batches(3):
                 opt.zero_grad(set_to_none=True)
-                model(x.cuda()).square().mean().backward()
+                # A forward on a stream of its own: its stream writes the gradients and runs their hooks, and
+                # the measurements run there, the last batch after autograd has synced the caller's stream
+                # with it (at the end of backward), so the step must wait for them itself.
+                if backward_stream is not None:
+                    backward_stream.wait_stream(torch.cuda.current_stream())
+                with contextlib.nullcontext() if backward_stream is None else torch.cuda.stream(backward_stream):
+                    loss = model(x.cuda()).square().mean()
+                loss.backward()
                 opt.step()
         torch.testing.assert_close(optimizer.grad_clip.last_global_norm, reference.grad_clip.last_global_norm)
         assert optimizer.grad_clip_attachment.backward_norms.taken_after_backward == (4 if exact else 0)

@@ -83,6 +83,21 @@ def _measure(grads: list[Tensor], exact: bool) -> list[Tensor]:
     return list(_ops.multi_tensor_norm(grads, 2.0, False, False, torch.float64)[1].unbind())
 
 
+# FSDP2 before torch 2.13 copies an offloaded gradient into pinned memory without waiting for the copy
+# before it runs this hook (2.13 copies synchronously where a parameter has such hooks).
+_OFFLOAD_COPY_MAY_BE_IN_FLIGHT = torch.__version__ < (2, 13)
+
+
+def _offload_in_flight(grad: Tensor, piece: Tensor) -> bool:
+    return (
+        _OFFLOAD_COPY_MAY_BE_IN_FLIGHT
+        and piece.device.type == "cpu"
+        and _is_dtensor(grad)
+        and torch.cuda.is_initialized()
+        and piece.is_pinned()
+    )
+
+
 def _measured_in_batches(grad: Tensor) -> bool:
     """CUDA gradients wait for a batch; a CPU gradient is measured in its hook, while it is in cache."""
     return grad.device.type == "cuda"
@@ -110,8 +125,10 @@ class BackwardNorms:
         self._reduced: dict[Tensor, tuple[bool, Tensor]] = {}  # DDP's reduced gradients, measured this backward
         self._settling = False  # a check of the reduced gradients is queued at the end of this backward
         self._paused = False
-        self._pending: list[tuple[Tensor, Tensor, Tensor, object]] = []  # CUDA (param, grad, piece, version)
+        # CUDA gradients to measure: (param, grad, piece, version, the stream of its hook)
+        self._pending: list[tuple[Tensor, Tensor, Tensor, object, object]] = []
         self._pending_bytes = 0
+        self._measuring_streams: set = set()  # the streams measurements ran on since the last step
         self._exact = exact  # the mode the last step asked for: the hooks measure in it
         self.taken_in_backward = 0
         self.taken_after_backward = 0
@@ -129,8 +146,8 @@ class BackwardNorms:
         if self._paused or (not _is_dtensor(grad) and _reduced_after_backward()):
             return
         piece = grad._local_tensor if _is_dtensor(grad) else grad
-        if not _measurable(piece, self._exact):
-            self._measured.pop(id(param), None)
+        if not _measurable(piece, self._exact) or _offload_in_flight(grad, piece):
+            self._measured.pop(id(param), None)  # (the step measures it)
             return
         if _measured_in_batches(piece):
             self._measure_later(param, grad, piece)
@@ -139,25 +156,49 @@ class BackwardNorms:
         self._measured[id(param)] = _Measured(weakref.ref(grad), _version_of(grad), self._exact, value)
 
     def _measure_later(self, param: Tensor, grad: Tensor, piece: Tensor) -> None:
-        """A CUDA gradient joins the batch measured when it holds CUDA_BATCH_BYTES, or when backward ends."""
-        if not self._pending:
-            torch.autograd.Variable._execution_engine.queue_callback(self._measure_pending)
-        self._pending.append((param, grad, piece, _version_of(grad)))
+        """A CUDA gradient joins the batch measured when it holds CUDA_BATCH_BYTES, or when backward ends
+        (a backward that raised leaves its batch to the step), on the stream its hook ran on: the stream
+        that wrote it (autograd's, or FSDP2's post-reduce stream)."""
+        stream = torch.cuda.current_stream(piece.device) if piece.device.type == "cuda" else None
+        queued = bool(self._pending) or self._measure_at_the_end_of_backward()
+        self._pending.append((param, grad, piece, _version_of(grad), stream))
         self._pending_bytes += piece.numel() * piece.element_size()
-        if self._pending_bytes >= CUDA_BATCH_BYTES:
+        if not queued or self._pending_bytes >= CUDA_BATCH_BYTES:
             self._measure_pending()
+
+    def _measure_at_the_end_of_backward(self) -> bool:
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._measure_pending)
+        except RuntimeError:  # the hook was called outside backward
+            return False
+        return True
 
     def _measure_pending(self) -> None:
         pending, self._pending, self._pending_bytes = self._pending, [], 0
         if self._handles is None:  # removed during this backward
             return
-        by_device: dict[torch.device, list] = {}
+        batches: dict[tuple, list] = {}
         for item in pending:
-            by_device.setdefault(item[2].device, []).append(item)
-        for items in by_device.values():
-            values = _measure([piece for _, _, piece, _ in items], False)
-            for (param, grad, _, version), value in zip(items, values):
+            batches.setdefault((item[2].device, item[4]), []).append(item)
+        for (_, stream), items in batches.items():
+            with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
+                values = _measure([item[2] for item in items], False)
+            if stream is not None:
+                self._measuring_streams.add(stream)
+            for (param, grad, _, version, _), value in zip(items, values):
                 self._measured[id(param)] = _Measured(weakref.ref(grad), version, False, value)
+
+    def _wait_for_the_measurements(self, values: list[Tensor]) -> None:
+        """The step's stream waits for the streams the measurements ran on (FSDP2's post-reduce stream waits
+        for nothing of ours), and their results stay allocated until it has read them."""
+        streams, self._measuring_streams = self._measuring_streams, set()
+        for stream in streams:
+            current = torch.cuda.current_stream(stream.device)
+            if stream != current:
+                current.wait_stream(stream)
+                for value in values:
+                    if value.device == stream.device:
+                        value.record_stream(current)
 
     def reduced_by(self, ddp_model, hook=None, state=None) -> None:
         """Measure the gradients of `ddp_model` (a DistributedDataParallel) as they come out of its reduction,
@@ -272,6 +313,8 @@ class BackwardNorms:
             for (i, _), value in zip(missed, _measure([piece for _, piece in missed], exact)):
                 values[i] = value
         self.taken_in_backward, self.taken_after_backward = len(grads) - len(missed), len(missed)
+        if self._measuring_streams:
+            self._wait_for_the_measurements(values)
         dtype = torch.promote_types(_ops.total_norm_dtype([g for _, g in grads]), torch.float32)
         if shards is not None:
             return self._combine_shards(shards, values, exact, dtype, device)
@@ -299,6 +342,7 @@ class BackwardNorms:
     def discard(self) -> None:
         """Forget the measurements (a step that does not fold the clip)."""
         self._measured, self._pending, self._pending_bytes = {}, [], 0
+        self._measuring_streams = set()
 
     def remove(self) -> None:
         """Remove the hooks (a comm hook reduced_by registered stays with DDP, which cannot drop one: it
