@@ -44,11 +44,12 @@ for step in "${steps[@]}"; do
         2>&1 | tee "$out/results.txt" | tail -60
       ;;
     training)
-      # Whole training steps (issue 33): no clip, torch's clip, folded, the norm in backward (side stream, one stream)
+      # Whole training steps (issue 33): no clip, torch's clip, the folded clip, the norm in backward
       "$python" -m torchclip.bench --device cuda --training gpt2-small --training resnet50 --rounds 21 \
         --json "$out/training-cuda.json" --markdown "$out/RESULTS-training-cuda.md" 2>&1 | tee "$out/training.txt" | tail -20
       ;;
     step)
+      # What clipping adds to torch's fused CUDA optimizer steps (torchclip-bench --step)
       "$python" -m torchclip.bench --device cuda --step adamw-fused --step adam-fused --step sgd-fused --rounds 11 \
         --json "$out/step-cuda.json" 2>&1 | tee "$out/step.txt" | tail -30
       ;;
