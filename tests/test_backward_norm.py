@@ -160,7 +160,7 @@ def test_a_hook_called_outside_backward_measures_at_once(monkeypatch):
     backward_norms._on_final_grad(weight)
     assert not backward_norms._pending
     record = backward_norms._measured[id(weight)]
-    torch.testing.assert_close(record.value, weight.grad.double().norm(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(record.value, weight.grad.double().norm(), rtol=1e-6, atol=0)  # float32 blocks: 1e-6
 
 
 CHANGES = {

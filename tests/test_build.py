@@ -14,8 +14,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_python(code, **env):
+    """`code` in a fresh interpreter with `env` added; a variable given as None is removed."""
+    environment = {**os.environ, **env}
+    environment = {name: value for name, value in environment.items() if value is not None}
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env={**os.environ, **env}, timeout=120
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=environment, timeout=120
     )
 
 
@@ -36,7 +39,12 @@ def test_environment_override_selects_the_kernel_library(capability):
 
 
 def test_aten_cpu_capability_caps_torchclip():
-    result = run_python("import torchclip; print(torchclip.get_cpu_capability())", ATEN_CPU_CAPABILITY="default")
+    # (without the suite's own TORCHCLIP_CPU_CAPABILITY, which would win)
+    result = run_python(
+        "import torchclip; print(torchclip.get_cpu_capability())",
+        ATEN_CPU_CAPABILITY="default",
+        TORCHCLIP_CPU_CAPABILITY=None,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "DEFAULT"
 

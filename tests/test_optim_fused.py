@@ -13,6 +13,7 @@ from testing import (
     clone_params,
     cuda_only,
     device_params,
+    fused_like_torch,
     no_host_sync,
     torch_fused_sgd_steps_16_bit_vectors,
 )
@@ -123,7 +124,10 @@ def test_unclipped_step_is_exactly_the_plain_step():
         optimizer.step()
         reference.step()
     for p, q in zip(ours, theirs):
-        assert torch.equal(p, q)  # grad_scale is exactly 1: dividing by it changes no bit
+        if fused_like_torch(torchclip.get_cpu_capability()):
+            assert torch.equal(p, q)  # grad_scale is exactly 1: dividing by it changes no bit
+        else:  # (DEFAULT fuses no multiply-add where torch's kernel does: a rounding apart per step)
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
 
 
 def test_no_fold_without_fused_kernel_or_with_per_tensor_clip():

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from testing import torch_fused_sgd_steps_16_bit_vectors
+from testing import fused_like_torch, torch_fused_sgd_steps_16_bit_vectors
 
 import torchclip
 from torchclip import ClipGradByGlobalNorm, _ops, _read_only_step
@@ -32,13 +32,6 @@ TOLERANCE = {
     torch.bfloat16: {"rtol": 8e-3, "atol": 1e-3},
     torch.float16: {"rtol": 1e-3, "atol": 1e-3},
 }
-
-
-def fused_like_torch(cpu_capability) -> bool:
-    """Whether our kernels and torch's both fuse multiply-adds (both AVX2 or AVX-512): then whole vectors
-    match bit for bit."""
-    with_fma = {"AVX2", "AVX512"}
-    return cpu_capability in with_fma and torch.backends.cpu.get_cpu_capability() in with_fma
 
 
 def draw(dtype, seed, scale=1.0, positive=False, sizes=SIZES):

@@ -318,3 +318,10 @@ def assert_same_grads(reference, ours, step):
         torch.testing.assert_close(
             b.grad, a.grad, rtol=2e-6, atol=1e-9, msg=lambda m, name=name: f"step {step}, {name}: {m}"
         )
+
+
+def fused_like_torch(cpu_capability) -> bool:
+    """Whether our kernels and torch's both fuse multiply-adds (both AVX2 or AVX-512): then whole vectors
+    of the fused optimizer steps match bit for bit."""
+    with_fma = {"AVX2", "AVX512"}
+    return cpu_capability in with_fma and torch.backends.cpu.get_cpu_capability() in with_fma
