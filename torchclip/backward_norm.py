@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -46,6 +47,16 @@ class _Measured:
     version: object  # _version_of(grad) when measured
     exact: bool
     value: Tensor  # exact: the gradient's ExactSum row (int64, 138); else its float64 norm (0-d)
+
+
+class _Pending(NamedTuple):
+    """A CUDA gradient waiting for its batch's measurement."""
+
+    param: Tensor
+    grad: Tensor
+    piece: Tensor  # what is measured: the gradient, or a DTensor's local shard
+    version: object  # _version_of(grad) at its hook
+    stream: object  # the stream its hook ran on, which wrote it (None off CUDA)
 
 
 def _reduced_after_backward() -> bool:
@@ -125,8 +136,7 @@ class BackwardNorms:
         self._reduced: dict[Tensor, tuple[bool, Tensor]] = {}  # DDP's reduced gradients, measured this backward
         self._settling = False  # a check of the reduced gradients is queued at the end of this backward
         self._paused = False
-        # CUDA gradients to measure: (param, grad, piece, version, the stream of its hook)
-        self._pending: list[tuple[Tensor, Tensor, Tensor, object, object]] = []
+        self._pending: list[_Pending] = []
         self._pending_bytes = 0
         self._measuring_streams: set = set()  # the streams measurements ran on since the last step
         self._exact = exact  # the mode the last step asked for: the hooks measure in it
@@ -161,7 +171,7 @@ class BackwardNorms:
         that wrote it (autograd's, or FSDP2's post-reduce stream)."""
         stream = torch.cuda.current_stream(piece.device) if piece.device.type == "cuda" else None
         queued = bool(self._pending) or self._measure_at_the_end_of_backward()
-        self._pending.append((param, grad, piece, _version_of(grad), stream))
+        self._pending.append(_Pending(param, grad, piece, _version_of(grad), stream))
         self._pending_bytes += piece.numel() * piece.element_size()
         if not queued or self._pending_bytes >= CUDA_BATCH_BYTES:
             self._measure_pending()
@@ -179,14 +189,14 @@ class BackwardNorms:
             return
         batches: dict[tuple, list] = {}
         for item in pending:
-            batches.setdefault((item[2].device, item[4]), []).append(item)
+            batches.setdefault((item.piece.device, item.stream), []).append(item)
         for (_, stream), items in batches.items():
             with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
-                values = _measure([item[2] for item in items], False)
+                values = _measure([item.piece for item in items], False)
             if stream is not None:
                 self._measuring_streams.add(stream)
-            for (param, grad, _, version, _), value in zip(items, values):
-                self._measured[id(param)] = _Measured(weakref.ref(grad), version, False, value)
+            for item, value in zip(items, values):
+                self._measured[id(item.param)] = _Measured(weakref.ref(item.grad), item.version, False, value)
 
     def _wait_for_the_measurements(self, values: list[Tensor]) -> None:
         """The step's stream waits for the streams the measurements ran on (FSDP2's post-reduce stream waits
