@@ -16,6 +16,9 @@ Build switches (environment variables):
   TORCH_CUDA_ARCH_LIST the GPU architectures to compile for, e.g. "9.0" or "8.0;9.0+PTX" (torch's default: the
                        GPUs of this machine, or every architecture torch supports when it has none)
   DEBUG                1 for -O0 -g builds (default 0)
+  TORCHCLIP_SANITIZE   1 to build every native part with AddressSanitizer and UndefinedBehaviorSanitizer
+                       (csrc/build.json's flags; UB stops the process); Python then needs the runtimes
+                       preloaded: ./dev sanitize does it all (default 0)
   MAX_JOBS             parallel compile jobs (ninja; default: all cores)
 
 Install with `pip install --no-build-isolation -e .`: torch is a run-time dependency, and build
@@ -67,6 +70,7 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEBUG = os.environ.get("DEBUG", "0") == "1"
+SANITIZE = os.environ.get("TORCHCLIP_SANITIZE", "0") == "1"
 
 # The sources and ISA flags, shared with CMakeLists.txt. AVX2 and AVX-512 match what torch itself requires for
 # its AVX2/AVX512 capabilities (FMA; VL/BW/DQ), plus F16C for the fp16 conversions; GCC's generic tuning
@@ -144,11 +148,19 @@ def optimisation():
     return ["-O0", "-g"] if DEBUG else ["-O3"]
 
 
+def sanitizers():
+    """(compile flags, link flags) of TORCHCLIP_SANITIZE=1, for the C++ sources (nvcc takes none of them)."""
+    if not SANITIZE:
+        return [], []
+    return BUILD["sanitize_compile_flags"], BUILD["sanitize_link_flags"]
+
+
 def extensions():
     isas = cpu_isas()
     with_cuda, why = cuda_decision()
     print(f"torchclip: CUDA kernels {'on' if with_cuda else 'off'} ({why})")
-    common = optimisation() + [cxx_standard(), "-Wall", "-Wno-unknown-pragmas"]
+    sanitize_compile, sanitize_link = sanitizers()
+    common = optimisation() + [cxx_standard(), "-Wall", "-Wno-unknown-pragmas"] + sanitize_compile
     exts = [
         CppExtension(
             "torchclip._C",
@@ -158,7 +170,7 @@ def extensions():
             + ([("TORCHCLIP_WITH_CUDA", "1")] if with_cuda else []),  # _C.cuda_built()
             # -fopenmp: the parameter walk (walk/param_walk.cpp) runs on torch's intra-op threads.
             extra_compile_args=common + ["-fopenmp"],
-            extra_link_args=["-ldl", "-fopenmp"],
+            extra_link_args=["-ldl", "-fopenmp"] + sanitize_link,
         )
     ]
     for isa in isas:
@@ -171,7 +183,7 @@ def extensions():
                 # OpenMP: at::parallel_for is a header template that only runs in parallel when the
                 # including file is compiled with -fopenmp; at run time it shares torch's libgomp.
                 extra_compile_args=common + ISA_FLAGS[isa] + ["-fvisibility=hidden", "-fopenmp"],
-                extra_link_args=["-fopenmp"],
+                extra_link_args=["-fopenmp"] + sanitize_link,
             )
         )
     if with_cuda:
@@ -188,6 +200,7 @@ def extensions():
                     # -lineinfo: profilers map time to source lines, at no cost to the code.
                     "nvcc": optimisation() + [cxx_standard(), "-lineinfo", "-Xcompiler=-Wall"],
                 },
+                extra_link_args=sanitize_link,  # (ops_cuda.cpp's host code; compute-sanitizer checks the kernels)
             )
         )
     return exts

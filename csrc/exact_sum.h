@@ -38,6 +38,9 @@ TORCHCLIP_HOST_DEVICE inline int leading_zeros(uint64_t v) {
 class ExactSum {
  public:
   static constexpr int kDigitBits = 32;
+  // A digit's weight relative to the one below it. Carries are multiplied by it, never shifted: a carry may be
+  // negative, and shifting a negative value left is undefined behaviour before C++20 (UBSan's finding).
+  static constexpr int64_t kDigitBase = int64_t{1} << kDigitBits;
   static constexpr int kDigits = 136;
   static constexpr int kBias = 2176;  // bit 0 weighs 2^-kBias; kDigits * 32 = 2 * kBias: 2^0 in the middle
 
@@ -260,12 +263,13 @@ class ExactSum {
     int k = bottom_;
     for (; k <= top_ || (carry != 0 && k < kDigits); ++k) {
       const int64_t value = (k <= top_ ? digits_[k] : 0) + carry;
-      carry = value >> kDigitBits;  // floor division: the remainder is >= 0
-      digits_[k] = value - (carry << kDigitBits);
+      // floor division (an arithmetic shift: GCC, Clang and nvcc define it for negative values, and C++20 does)
+      carry = value >> kDigitBits;
+      digits_[k] = value - carry * kDigitBase;  // the remainder, in [0, kDigitBase)
     }
     top_ = k - 1;
     if (carry != 0) {  // (a sum beyond 2^2176, or a negative one: the last digit keeps the sign)
-      digits_[kDigits - 1] += carry << kDigitBits;
+      digits_[kDigits - 1] += carry * kDigitBase;
     }
     while (top_ >= bottom_ && digits_[top_] == 0) {
       --top_;
