@@ -57,7 +57,8 @@ def main():
         hooked_optimizer.zero_grad()
         assert torch.allclose(clip.last_global_norm, expected, rtol=1e-5), (clip.last_global_norm, expected)
         if rank == 0:
-            print(f"step {step}: global gradient norm {norm.item():.4f} (the same on every rank), clipped to 0.5")
+            what = "clipped to 0.5" if norm.item() > 0.5 else "under 0.5, so nothing was clipped"
+            print(f"step {step}: global gradient norm {norm.item():.4f} (the same on every rank): {what}")
 
 
 def spawned(rank, world, port):

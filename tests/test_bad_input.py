@@ -62,7 +62,24 @@ ROWS = [
         lambda ps: ps + [3],
         lambda ps: torchclip.clip_grad_norm_(ps, 1.0),
         NotATensorError,
-        r"parameters\[3\] must be a Tensor, got int: 3",
+        r"parameters\[3\] must be a Tensor, got int 3",
+    ),
+    (
+        "(name, parameter) pairs, as model.named_parameters() yields",
+        None,
+        lambda ps: torchclip.clip_grad_norm_([(f"{i}.weight", p) for i, p in enumerate(ps)], 1.0),
+        NotATensorError,
+        (
+            r"parameters\[0\] is \('0\.weight', Parameter\), a \(name, parameter\) pair as "
+            r"model\.named_parameters\(\) yields, not a Tensor; pass model\.parameters\(\)$"
+        ),
+    ),
+    (
+        "exact=True with an order it cannot make exact",
+        None,
+        lambda ps: torchclip.clip_grad_norm_(ps, 1.0, norm_type=3, exact=True),
+        ValueError,
+        r"exact=True: norm_type=3 has no exact norm; exact norms are of order 1 and 2",
     ),
     (
         "a non-tensor in get_total_norm",
@@ -341,3 +358,140 @@ def test_clipping_allocates_no_memory_proportional_to_the_gradients():
         torchclip.ClipGradByNorm(0.01)(params)
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     assert grown_kib < 8 * 1024, f"peak memory grew by {grown_kib} KiB while clipping 400 MB of gradients"
+
+
+def _model():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    return model
+
+
+# Calls given a tensor (or a pair holding one) where a number, a clip or a flag goes: (description, call). Each
+# raises, and its message names what it got by type, shape and dtype, never by the tensor's printed contents.
+_MATRIX = torch.randn(64, 64)
+GIVEN_A_TENSOR = [
+    ("clip_grad_norm_ max_norm", lambda ps: torchclip.clip_grad_norm_(ps, _MATRIX)),
+    ("clip_grad_norm_ norm_type", lambda ps: torchclip.clip_grad_norm_(ps, 1.0, norm_type=_MATRIX)),
+    ("clip_grad_value_ clip_value", lambda ps: torchclip.clip_grad_value_(ps, _MATRIX)),
+    ("get_total_norm norm_type", lambda ps: torchclip.get_total_norm([p.grad for p in ps], _MATRIX)),
+    ("get_total_norm a pair", lambda ps: torchclip.get_total_norm([("w", _MATRIX)])),
+    ("clip_grad_norm_ a list", lambda ps: torchclip.clip_grad_norm_([[_MATRIX]], 1.0)),
+    ("clip_grads_with_norm_ total_norm", lambda ps: torchclip.clip_grads_with_norm_(ps, 1.0, _MATRIX)),
+    ("named_parameters()", lambda ps: torchclip.clip_grad_norm_(_model().named_parameters(), 1.0)),
+    ("ClipGradByGlobalNorm clip_norm", lambda ps: torchclip.ClipGradByGlobalNorm(_MATRIX)),
+    ("ClipGradByNorm clip_norm, 0-d", lambda ps: torchclip.ClipGradByNorm(torch.tensor(-1.0))),
+    ("ClipGradByValue max", lambda ps: torchclip.ClipGradByValue(_MATRIX)),
+    ("ClipGradByValue min > max, 0-d", lambda ps: torchclip.ClipGradByValue(torch.tensor(1.0), torch.tensor(2.0))),
+    ("ClipGradByGlobalNorm nonfinite", lambda ps: torchclip.ClipGradByGlobalNorm(1.0, nonfinite=_MATRIX)),
+    ("ClipGradByGlobalNorm group_name", lambda ps: torchclip.ClipGradByGlobalNorm(1.0, group_name=_MATRIX)),
+    ("a clip given a pair of tensors", lambda ps: torchclip.ClipGradByGlobalNorm(1.0)([(ps[0], ps[0].grad), _MATRIX])),
+    ("a clip given a non-tensor pair", lambda ps: torchclip.ClipGradByNorm(1.0)([(_MATRIX, "grad")])),
+    ("ClipGradByZScore alpha", lambda ps: torchclip.ClipGradByZScore(alpha=_MATRIX)),
+    ("ClipGradByQuantile quantile", lambda ps: torchclip.ClipGradByQuantile(quantile=_MATRIX)),
+    ("ClipGradByNormEMA beta", lambda ps: torchclip.ClipGradByNormEMA(beta=_MATRIX)),
+    ("ClipGradByUnitwiseNorm norm_type", lambda ps: torchclip.ClipGradByUnitwiseNorm(norm_type=_MATRIX)),
+    ("SkipStepOnSpike clip", lambda ps: torchclip.SkipStepOnSpike(clip=_MATRIX)),
+    ("set_gradient_clip clip", lambda ps: torchclip.set_gradient_clip(_MATRIX)),
+    ("an optimizer's grad_clip", lambda ps: torchclip.optim.SGD(ps, lr=0.1, grad_clip=_MATRIX)),
+    ("clip_by_value bound", lambda ps: torchclip.clip_by_value(ps[0].grad, _MATRIX, 1.0)),
+    ("clip_by_norm clip_norm", lambda ps: torchclip.clip_by_norm(ps[0].grad, _MATRIX)),
+]
+
+
+@pytest.mark.parametrize("row", GIVEN_A_TENSOR, ids=[r[0] for r in GIVEN_A_TENSOR])
+def test_no_error_message_prints_a_tensors_contents(row):
+    _, call = row
+    params = fresh()
+    before = snapshot(params)
+    with pytest.raises(Exception) as raised:
+        call(params)
+    message = str(raised.value)
+    assert "tensor(" not in message and "\n" not in message, message
+    assert "Tensor" in message or "tensor" in message, message  # it still says what it got
+    assert_unchanged(params, before)
+
+
+def test_a_number_given_as_a_0d_tensor_is_named_by_its_value():
+    with pytest.raises(ValueError, match=r"got Tensor of shape \(\) and dtype torch\.float32 holding -1\.0$"):
+        torchclip.ClipGradByNorm(torch.tensor(-1.0))
+
+
+@pytest.mark.parametrize("norm_type", [3, 0.5, "3"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda ps, p: torchclip.get_total_norm([q.grad for q in ps], p, exact=True),
+        lambda ps, p: torchclip.clip_grad_norm_(ps, 0.1, p, exact=True),
+        lambda ps, p: torchclip.grad_norm(torch.nn.ParameterList(ps), p, exact=True),
+        lambda ps, p: torchclip.ClipGradByUnitwiseNorm(norm_type=float(p) if isinstance(p, str) else p, exact=True),
+    ],
+    ids=["get_total_norm", "clip_grad_norm_", "grad_norm", "ClipGradByUnitwiseNorm"],
+)
+def test_exact_true_refuses_an_order_it_cannot_make_exact(call, norm_type):
+    params = fresh()
+    before = snapshot(params)
+    with pytest.raises(
+        ValueError, match=r"exact=True: norm_type=\S+ has no exact norm; exact norms are of order 1 and 2"
+    ):
+        call(params, norm_type)
+    assert_unchanged(params, before)
+
+
+@pytest.mark.parametrize("norm_type", [1, 2.0, "inf", math.inf, -math.inf, 0])
+def test_exact_true_takes_the_exact_orders(norm_type):
+    params = fresh()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+    torch.testing.assert_close(torchclip.get_total_norm([p.grad for p in params], norm_type, exact=True), expected)
+
+
+def test_the_process_setting_leaves_other_orders_as_they_are():
+    params = fresh()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in params], 3)
+    before = torchclip.set_exact_norm(True)
+    try:
+        torch.testing.assert_close(torchclip.get_total_norm([p.grad for p in params], 3), expected)
+    finally:
+        torchclip.set_exact_norm(before)
+
+
+# ---- a clip handed the gradients instead of the parameters ------------------------------------------
+
+CLIPS = [
+    lambda: torchclip.ClipGradByGlobalNorm(1.0),
+    lambda: torchclip.ClipGradByNorm(1.0),
+    lambda: torchclip.ClipGradByValue(1.0),
+    lambda: torchclip.GradientClipByGlobalNorm(1.0, need_clip=lambda p: True),  # (a predicate: the Python walk)
+    lambda: torchclip.ClipGradByZScore(),
+    lambda: torchclip.ClipGradByQuantile(),
+    lambda: torchclip.ClipGradByUnitwiseNorm(),
+]
+
+
+@pytest.mark.parametrize("make_clip", CLIPS)
+def test_a_clip_given_gradients_warns_with_the_fix_and_changes_nothing(make_clip):
+    params = fresh()
+    grads = [p.grad for p in params]
+    before = [g.clone() for g in grads]
+    with pytest.warns(UserWarning, match=r"look like gradients.*Pass the parameters, e\.g\. model\.parameters\(\)"):
+        make_clip()(grads)
+    assert all(torch.equal(g, b) for g, b in zip(grads, before))
+
+
+@pytest.mark.parametrize("make_clip", CLIPS)
+def test_a_clip_given_parameters_does_not_warn(make_clip, recwarn):
+    with_grads = fresh()
+    frozen = [torch.nn.Parameter(torch.ones(3), requires_grad=False) for _ in range(2)]  # a frozen model's
+    no_grad_yet = [torch.nn.Parameter(torch.ones(3)) for _ in range(2)]  # before the first backward
+    for params in (with_grads, frozen, no_grad_yet, [], torch.nn.Linear(2, 2)):
+        make_clip()(params)
+    make_clip()([(p, p.grad) for p in with_grads])
+    assert not [w for w in recwarn if "look like gradients" in str(w.message)]
+
+
+def test_the_drop_ins_keep_torchs_silence_for_gradients(recwarn):
+    """torch's clip_grad_norm_ given gradients (no .grad of their own) returns a zero norm, silently."""
+    grads = [p.grad for p in fresh()]
+    ours, theirs = torchclip.clip_grad_norm_(grads, 1.0), torch.nn.utils.clip_grad_norm_(grads, 1.0)
+    assert torch.equal(ours, theirs) and ours.item() == 0.0
+    assert not [w for w in recwarn if "look like gradients" in str(w.message)]

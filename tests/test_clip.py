@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from testing import CLIP_RTOL, DTYPES, make_params
+from testing import CLIP_RTOL, DTYPES, make_params, no_host_sync
 
 import torchclip
 from torchclip import (
@@ -293,6 +293,43 @@ def test_per_tensor_norm_keeps_each_coefficient(route, nonfinite):
         return
     expected = torch.tensor([1.0 if n <= clip_norm else clip_norm / n for n in norms], dtype=torch.float64)
     torch.testing.assert_close(coefficients, expected, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+@pytest.mark.parametrize("clip_norm", [0.05, 100.0])
+def test_the_norms_after_clipping_are_the_clipped_gradients_norms(route, clip_norm):
+    """last_clipped_norm(s): the norms of the gradients as the clip left them, from the kept statistics."""
+    params = params_of(torch.float32)
+    for clip in (ClipGradByGlobalNorm(clip_norm), ClipGradByNorm(clip_norm)):
+        for p, g in zip(params, f64_grads(params_of(torch.float32))):
+            p.grad = g.float()
+        ROUTES[route](clip, params)
+        after = torch.stack([torch.linalg.vector_norm(plain(p.grad).double()) for p in params])
+        if isinstance(clip, ClipGradByGlobalNorm):
+            clipped = plain(clip.last_clipped_norm)
+            assert clipped.dtype == plain(clip.last_global_norm).dtype == torch.float32 and clipped.shape == ()
+            torch.testing.assert_close(clipped.double(), torch.linalg.vector_norm(after), rtol=1e-6, atol=0)
+        else:
+            torch.testing.assert_close(plain(clip.last_clipped_norms), after, rtol=1e-6, atol=0)
+
+
+def test_the_norms_after_clipping_are_read_without_a_host_sync(device):
+    params = []
+    for q in params_of(torch.float32):
+        params.append(torch.nn.Parameter(q.detach().to(device)))
+        params[-1].grad = q.grad.to(device)
+    global_clip, per_tensor_clip = ClipGradByGlobalNorm(0.05), ClipGradByNorm(0.05)
+    global_clip(params)
+    per_tensor_clip(params)
+    with no_host_sync(device):
+        after, each_after = global_clip.last_clipped_norm, per_tensor_clip.last_clipped_norms
+    assert after.device.type == each_after.device.type == device
+    torch.testing.assert_close(after.cpu().double(), torch.tensor(0.05, dtype=torch.float64), rtol=1e-6, atol=0)
+
+
+def test_norms_after_clipping_are_none_before_the_first_call():
+    assert ClipGradByGlobalNorm(1.0).last_clipped_norm is None
+    assert ClipGradByNorm(1.0).last_clipped_norms is None
 
 
 # Lists this long are walked by every intra-op thread (csrc/walk/param_walk.cpp); the need_clip marks

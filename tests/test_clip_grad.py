@@ -439,6 +439,16 @@ def test_patch_context_manager_installs_and_restores():
         assert getattr(torch.nn.utils, name) is originals[name]
 
 
+def test_patched_functions_say_they_are_torchclips():
+    """The documented check (README): the patched names' module, and their help's first line."""
+    with torchclip.patch():
+        for name in DROP_INS:
+            function = getattr(torch.nn.utils, name)
+            assert function.__module__ == "torchclip.clip_grad"
+            assert function.__doc__.startswith(f"torchclip's {name}: "), function.__doc__[:80]
+    assert torch.nn.utils.clip_grad_norm_.__module__.startswith("torch.")
+
+
 def test_patch_undo():
     original = torch.nn.utils.clip_grad_value_
     handle = torchclip.patch()

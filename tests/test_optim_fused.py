@@ -313,6 +313,34 @@ def test_grad_scaler_folded_clip_sees_unscaled_norm(dtype, forbid_in_place_clip)
     torch.testing.assert_close(clip.last_global_norm.double(), expected, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("nonfinite", ["propagate", "skip", "raise"])
+def test_a_step_grad_scaler_skipped_reports_the_nonfinite_norm_as_a_step_without_it(nonfinite, forbid_in_place_clip):
+    """found_nonfinite agrees with last_global_norm on a step GradScaler skips (an inf gradient), as it does
+    without a scaler; the step is the scaler's to skip, so the clip's policy neither raises nor counts it."""
+    results = {}
+    for with_scaler in (True, False):
+        clip = ClipGradByGlobalNorm(1.0, nonfinite=nonfinite)
+        params = parameters(torch.float32)
+        optimizer = torchclip.optim.AdamW(params, fused=True, grad_clip=clip, **FUSED["AdamW"])
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if with_scaler else None
+        if with_scaler:
+            scaler.scale(torch.ones(()))  # (creates the scale, as the first scaler.scale(loss) would)
+        for p in params:
+            p.grad = torch.ones_like(p) * (1024.0 if with_scaler else 1.0)
+            p.grad.view(-1)[0] = math.inf
+        try:
+            scaler.step(optimizer) if with_scaler else optimizer.step()
+        except RuntimeError:
+            assert not with_scaler and nonfinite == "raise"
+            continue
+        results[with_scaler] = clip
+        assert math.isinf(clip.last_global_norm.item()) and bool(clip.found_nonfinite)
+        assert int(clip.nonfinite_steps) == 1
+        skipped_by_the_clip = nonfinite == "skip" and not with_scaler
+        assert optimizer.grad_clip_attachment.skipped_steps == int(skipped_by_the_clip)
+    assert True in results  # under the scaler, "raise" leaves the overflow to the scaler
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grad_scaler_unfolded_clip_sees_unscaled_gradients(dtype):
     """A clip that cannot be folded (per element, per tensor) is applied to unscaled gradients."""

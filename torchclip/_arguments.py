@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from torchclip import _ops
+from torchclip._messages import brief, shown
 from torchclip.clip_grad import NotATensorError
 
 
@@ -21,13 +22,13 @@ def _number(name: str, value) -> float:
             return float(value)
         except (TypeError, ValueError):
             pass
-    raise TypeError(f"{name} must be a number, got {value!r:.80}")
+    raise TypeError(f"{name} must be a number, got {shown(value)}")
 
 
 def _positive_finite(name: str, value) -> float:
     number = _number(name, value)
     if not (math.isfinite(number) and number > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        raise ValueError(f"{name} must be a finite number > 0, got {shown(value)}")
     return number
 
 
@@ -36,7 +37,7 @@ _NONFINITE_POLICIES = ("propagate", "raise", "skip")
 
 def _policy(nonfinite) -> str:
     if nonfinite not in _NONFINITE_POLICIES:
-        raise ValueError(f"nonfinite must be one of {_NONFINITE_POLICIES}, got {nonfinite!r}")
+        raise ValueError(f"nonfinite must be one of {_NONFINITE_POLICIES}, got {shown(nonfinite)}")
     return nonfinite
 
 
@@ -52,19 +53,6 @@ _PARAM_LIST = (
 )
 # The tensor types whose memory _shares_memory reads (a subclass, e.g. DTensor, may have none of its own).
 _PLAIN = (Tensor, torch.nn.Parameter)
-
-
-def _brief(value) -> str:
-    """A value for an error message: its type, and its repr cut short (a tensor by its shape, a tuple by its
-    items' types)."""
-    if value is None:
-        return "None"
-    if isinstance(value, Tensor):
-        return f"{type(value).__name__} of shape {tuple(value.shape)}"
-    if isinstance(value, (tuple, list)):
-        shown = ", ".join(type(v).__name__ for v in value[:4]) + (", ..." if len(value) > 4 else "")
-        return f"{type(value).__name__} ({shown})"
-    return f"{type(value).__name__} {value!r:.60}"
 
 
 def _items_of(given, who: str, accepted: str) -> Sequence:
@@ -84,7 +72,7 @@ def _items_of(given, who: str, accepted: str) -> Sequence:
             f"model.parameters(), or the mapping's .values() if they are the parameters"
         )
     if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
-        raise TypeError(f"{who} got {_brief(given)}; it takes {accepted}")
+        raise TypeError(f"{who} got {brief(given)}; it takes {accepted}")
     return list(given)
 
 
@@ -92,7 +80,7 @@ def _checked_parameters(items: Sequence, who: str, accepted: str) -> Sequence:
     """items, checked to be tensors (NotATensorError: the AttributeError a non-tensor's .grad raised before)."""
     for i, p in enumerate(items):
         if not isinstance(p, Tensor):
-            raise NotATensorError(f"{who}: item {i} is {_brief(p)}, not a tensor; it takes {accepted}")
+            raise NotATensorError(f"{who}: item {i} is {brief(p)}, not a tensor; it takes {accepted}")
     return items
 
 
@@ -125,7 +113,7 @@ def _checked_pairs(items: Sequence, who: str) -> Sequence:
     for i, item in enumerate(items):
         if not isinstance(item, (tuple, list)):
             raise TypeError(
-                f"{who}: item 0 is a (param, grad) pair but item {i} is {_brief(item)}; it takes "
+                f"{who}: item 0 is a (param, grad) pair but item {i} is {brief(item)}; it takes "
                 f"{_CALL_FORMS}, not a mix"
             )
         if len(item) != 2:
@@ -140,11 +128,11 @@ def _checked_pairs(items: Sequence, who: str) -> Sequence:
                 f"model.named_parameters() yields, not a (param, grad) pair; it takes {_CALL_FORMS}"
             )
         if not isinstance(param, Tensor):
-            raise NotATensorError(f"{who}: item {i}'s param must be a Tensor, got {_brief(param)}")
+            raise NotATensorError(f"{who}: item {i}'s param must be a Tensor, got {brief(param)}")
         if grad is None:
             continue
         if not isinstance(grad, Tensor):
-            raise TypeError(f"{who}: item {i}'s grad must be a Tensor or None, got {_brief(grad)}")
+            raise TypeError(f"{who}: item {i}'s grad must be a Tensor or None, got {brief(grad)}")
         # (type() first: Parameter's isinstance is a Python-level check, slow on every pair of a long list)
         weight = type(grad) is not Tensor and isinstance(grad, torch.nn.Parameter)
         if grad is param or weight or (not tracing and _shares_memory(param, grad)):

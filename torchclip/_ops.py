@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import glob
 import importlib
+import math
 import os
 from collections.abc import Sequence
 
 import torch
+
+from torchclip._messages import shown
 
 _REBUILD = "Rebuild it against the installed torch from the repository root: pip install --no-build-isolation -e ."
 
@@ -86,7 +89,7 @@ def set_cpu_capability(capability: str) -> str:
     """
     name = str(capability).upper()
     if name not in _CAPABILITY_ORDER:
-        raise ValueError(f"set_cpu_capability: capability must be one of {_CAPABILITY_ORDER}, got {capability!r}")
+        raise ValueError(f"set_cpu_capability: capability must be one of {_CAPABILITY_ORDER}, got {shown(capability)}")
     if name not in _C.cpu_capabilities_built():
         raise ValueError(
             f"set_cpu_capability: no {name} kernel library was built (built: {_C.cpu_capabilities_built()})"
@@ -144,7 +147,7 @@ def set_exact_norm(enabled: bool) -> bool:
         True
     """
     if not isinstance(enabled, bool):
-        raise TypeError(f"set_exact_norm: enabled must be a bool, got {enabled!r}")
+        raise TypeError(f"set_exact_norm: enabled must be a bool, got {shown(enabled)}")
     previous = _C.exact_norms_enabled()
     # torchclip._cuda may hold a copy of the setting of its own (op_shared.h), or share _C's.
     if _C.cuda_built():
@@ -158,10 +161,27 @@ def get_exact_norm() -> bool:
     return _C.exact_norms_enabled()
 
 
-def check_exact(exact) -> bool | None:
-    """A norm-taking call's `exact` argument, checked: True, False, or None (the process-wide setting)."""
+# The orders whose norms are exact with exact=True: 1 and 2 by the exact kernels; 0 (a count), inf and -inf (the
+# largest and smallest magnitude) are exact in any case.
+EXACT_ORDERS = (1.0, 2.0, 0.0, math.inf, -math.inf)
+
+
+def check_exact(exact, norm_type=2.0) -> bool | None:
+    """A norm-taking call's `exact` argument, checked: True, False, or None (the process-wide setting).
+    exact=True is a promise, so an order it cannot keep (`norm_type`, as given) is a ValueError; the
+    process-wide setting applies where it can and leaves other orders as they are."""
     if exact is not None and not isinstance(exact, bool):
-        raise TypeError(f"exact must be True, False or None (the process-wide setting), got {exact!r}")
+        raise TypeError(f"exact must be True, False or None (the process-wide setting), got {shown(exact)}")
+    if exact is True and norm_type is not None:
+        try:
+            order = float(norm_type)
+        except (TypeError, ValueError):
+            return exact  # not a number: the caller's norm_type check names it
+        if order not in EXACT_ORDERS:
+            raise ValueError(
+                f"exact=True: norm_type={shown(norm_type)} has no exact norm; exact norms are of order 1 and 2 "
+                "(and 0, inf and -inf, exact in any case): pass exact=False or None for other orders"
+            )
     return exact
 
 

@@ -10,6 +10,7 @@ import warnings
 import torch
 
 from torchclip import marks
+from torchclip._messages import shown
 from torchclip.clip import ClipGradByGlobalNorm, GradientClipByGlobalNorm
 from torchclip.clip_base import ClipGradBase
 from torchclip.marks import gradient_clip_of
@@ -22,7 +23,7 @@ def _check_clip(clip, where: str):
     if clip is not None and not isinstance(clip, ClipGradBase):
         raise TypeError(
             f"{where} must be a torchclip clip (ClipGradByValue, ClipGradByNorm, ClipGradByGlobalNorm, "
-            f"or a legacy GradientClipBy*), got {clip!r}"
+            f"or a legacy GradientClipBy*), got {shown(clip)}"
         )
 
 

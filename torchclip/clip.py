@@ -40,6 +40,7 @@ from torch import Tensor
 from torchclip import _ops
 from torchclip._arguments import _number, _policy, _positive_finite
 from torchclip._gradients import Gradients, Route
+from torchclip._messages import shown
 from torchclip.clip_base import ClipGradBase
 from torchclip.marks import exclude_from_clipping, gradient_clip_of, set_gradient_clip, set_need_clip
 
@@ -86,14 +87,14 @@ class ClipGradByValue(ClipGradBase):
         upper = _number("max", max)
         if min is None:
             if not upper > 0:
-                raise ValueError(f"ClipGradByValue: max must be > 0 when min is None, got max={max!r}")
+                raise ValueError(f"ClipGradByValue: max must be > 0 when min is None, got max={shown(max)}")
             lower = -upper
         else:
             lower = _number("min", min)
             if lower > upper:
-                raise ValueError(f"ClipGradByValue: min must be <= max, got min={min!r}, max={max!r}")
+                raise ValueError(f"ClipGradByValue: min must be <= max, got min={shown(min)}, max={shown(max)}")
         if math.isnan(lower) or math.isnan(upper):
-            raise ValueError(f"ClipGradByValue: bounds must not be NaN, got min={lower!r}, max={upper!r}")
+            raise ValueError(f"ClipGradByValue: bounds must not be NaN, got min={shown(lower)}, max={shown(upper)}")
         self.min, self.max = lower, upper
 
     def _clip_parameters(self, params):
@@ -110,9 +111,9 @@ class ClipGradByNorm(ClipGradBase):
     """Clip each gradient by its own L2 norm (Paddle's `paddle.nn.ClipGradByNorm`).
 
     A gradient whose norm is <= clip_norm is unchanged; otherwise it is multiplied by clip_norm / norm.
-    `last_norms` holds the last call's per-gradient norms (float64, before clipping) and
-    `last_clip_coef` the factors they were scaled by, on the gradients' device. The call forms are
-    `ClipGradByValue`'s.
+    `last_norms` holds the last call's per-gradient norms (float64, before clipping), `last_clip_coef`
+    the factors they were scaled by and `last_clipped_norms` the norms after clipping, on the gradients'
+    device. The call forms are `ClipGradByValue`'s.
 
     Args:
         clip_norm: the largest norm a gradient keeps, a finite number > 0.
@@ -180,6 +181,13 @@ class ClipGradByNorm(ClipGradBase):
         if self.nonfinite == "skip":
             unchanged = unchanged | self.found_nonfinite.to(norms.device)
         return torch.where(unchanged, torch.ones_like(norms), self.clip_norm / norms)
+
+    @property
+    def last_clipped_norms(self) -> Tensor | None:
+        """Each gradient's norm after the last call (float64), for logging beside last_norms: last_norms
+        times last_clip_coef on their device, so no gradient is read again and no host sync is made."""
+        coefficient = self.last_clip_coef
+        return None if coefficient is None else self.last_norms * coefficient
 
     def __repr__(self):
         return f"{type(self).__name__}(clip_norm={self.clip_norm})"
@@ -254,10 +262,12 @@ class ClipGradByGlobalNorm(ClipGradBase):
     computes one global norm over every parameter it serves; clips given by set_gradient_clip that share
     a group_name compute one global norm together and must share clip_norm (Paddle's rule).
 
-    For logging without a host sync, on the gradients' device: `last_global_norm` (float32, float64
-    for float64 gradients), `last_norms` (each gradient's norm, float64; None for sharded gradients,
-    whose per-tensor norms would cost another collective) and `last_clip_coef` (the factor every
-    gradient was scaled by, 0-d float64: 1 when nothing was clipped).
+    For logging without a host sync, on the gradients' device: `last_global_norm` (the norm before
+    clipping, float32, float64 for float64 gradients: Paddle's dtype for it), `last_clipped_norm` (the
+    norm after clipping, the same dtype), `last_norms` (each gradient's norm, float64; None for sharded
+    gradients, whose per-tensor norms would cost another collective) and `last_clip_coef` (the factor
+    every gradient was scaled by, 0-d float64, the precision the kernels scale in: 1 when nothing was
+    clipped).
 
     Args:
         clip_norm: the largest global norm allowed, a finite number > 0.
@@ -296,9 +306,9 @@ class ClipGradByGlobalNorm(ClipGradBase):
         self.process_group = process_group
         self.exact = _ops.check_exact(exact)
         if not isinstance(group_name, str):
-            raise TypeError(f"group_name must be a str, got {group_name!r}")
+            raise TypeError(f"group_name must be a str, got {shown(group_name)}")
         if not isinstance(auto_skip_clip, bool):
-            raise TypeError(f"auto_skip_clip must be a bool, got {auto_skip_clip!r}")
+            raise TypeError(f"auto_skip_clip must be a bool, got {shown(auto_skip_clip)}")
         self.group_name = group_name
         self.auto_skip_clip = auto_skip_clip
         self.last_global_norm: Tensor | None = None
@@ -307,6 +317,17 @@ class ClipGradByGlobalNorm(ClipGradBase):
 
     def _keep(self, global_norm: Tensor, norms: Tensor | None, coefficient: Tensor) -> None:
         self.last_global_norm, self.last_norms, self.last_clip_coef = global_norm, norms, coefficient
+
+    @property
+    def last_clipped_norm(self) -> Tensor | None:
+        """The global norm after the last call, in last_global_norm's dtype, for logging beside it: the
+        norm times the coefficient on their device, so no gradient is read again and no host sync is
+        made. After a folded fused step, whose gradients stay unclipped, it is the norm of what the
+        step applied."""
+        if self.last_global_norm is None:
+            return None
+        norm = self.last_global_norm
+        return (norm * self.last_clip_coef.to(norm.device)).to(norm.dtype)
 
     def _clip_parameters(self, params):
         if self.process_group is not None:
@@ -380,10 +401,12 @@ class ClipGradByGlobalNorm(ClipGradBase):
         finite = torch.isfinite(norm)
         found = ~finite
         if scaler_found is not None:
-            found = found & (scaler_found.to(norm.device) == 0)  # a step the scaler skips is not the clip's
+            # What the clip acts on (raise, skip): a step the scaler skips is the scaler's, not the clip's. What
+            # it records is the norm as it was, as without a scaler: found_nonfinite agrees with last_global_norm.
+            found = found & (scaler_found.to(norm.device) == 0)
         if self.nonfinite == "raise" and not raises_here and bool(found):
             raise _nonfinite_global_norm()
-        self._record_found(found)
+        self._record_found(~finite, refused=found)
         grad_scale, found_inf = _fused_step_scale(norm, finite, found, self.clip_norm, self.nonfinite, scaler_found)
         self._keep(norm, norms, (1.0 / grad_scale).to(torch.float64))
         if scaler_scale is not None:
@@ -400,7 +423,7 @@ class ClipGradByGlobalNorm(ClipGradBase):
 def _predicate(need_clip):
     if need_clip is not None and not callable(need_clip):
         raise TypeError(
-            f"need_clip must be a function taking a parameter and returning True (clip it) or False, got {need_clip!r}"
+            f"need_clip must be a function taking a parameter and returning True (clip it) or False, got {shown(need_clip)}"
         )
     return need_clip
 

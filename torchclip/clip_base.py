@@ -4,7 +4,8 @@ nonfinite policy keeps) and the protocol a clip follows, a user's own included."
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -24,6 +25,27 @@ def add_to_count(count: Tensor | None, found: Tensor) -> Tensor:
     if found.is_cuda and count.device == found.device and torch.cuda.is_current_stream_capturing():
         return count.add_(found)
     return found.to(torch.int64) + count.to(found.device)
+
+
+def _warn_if_given_gradients(items: Sequence, who: str) -> None:
+    """Warns where a clip was handed gradients instead of parameters (clip([p.grad for p in ...]), an easy
+    slip since get_total_norm takes gradients): a clip reads each parameter's .grad, so it clipped nothing.
+    They look like gradients when none has a .grad and none requires grad or is an nn.Parameter (a frozen
+    model's parameters are Parameters). The first item decides at once on the usual call."""
+    first = items[0] if items else None
+    if not _looks_like_a_gradient(first) or not all(_looks_like_a_gradient(t) for t in items):
+        return
+    warnings.warn(
+        f"{who} was given {len(items)} tensor(s) with no .grad that do not require grad: they look like "
+        "gradients, but a clip reads each parameter's .grad, so nothing was clipped. Pass the parameters, "
+        "e.g. model.parameters()",
+        stacklevel=3,
+    )
+
+
+def _looks_like_a_gradient(t) -> bool:
+    # (requires_grad first: .grad is then read only on leaves, which never warn about it)
+    return isinstance(t, Tensor) and not t.requires_grad and not isinstance(t, torch.nn.Parameter) and t.grad is None
 
 
 class ClipGradBase:
@@ -62,6 +84,7 @@ class ClipGradBase:
     exact: bool | None = None  # exact norms (the norm-based clips' argument); None: the process-wide setting
     found_nonfinite: Tensor | None = None
     nonfinite_steps: Tensor | None = None
+    _refused: Tensor | None = None  # step_refused()'s flag, as _record_found keeps it
 
     def _record(self, norms: Tensor) -> None:
         """Update found_nonfinite / nonfinite_steps from the last call's norm(s)."""
@@ -69,8 +92,11 @@ class ClipGradBase:
             return self._record_found_on_host(not math.isfinite(norms.item()))
         self._record_found(~torch.isfinite(norms).all())
 
-    def _record_found(self, found: Tensor) -> None:
+    def _record_found(self, found: Tensor, refused: Tensor | None = None) -> None:
+        """found: the last call met a NaN/inf norm; refused: of those, what the clip's own policy acts on
+        (a folded step under GradScaler leaves the scaler's overflow to the scaler), by default found."""
         self.found_nonfinite = found
+        self._refused = found if refused is None else refused
         self.nonfinite_steps = add_to_count(self.nonfinite_steps, found)
 
     def _record_found_on_host(self, found: bool) -> None:
@@ -79,13 +105,15 @@ class ClipGradBase:
         steps = self.nonfinite_steps
         if steps is not None and steps.device.type != "cpu":
             return self._record_found(torch.tensor(found, device=steps.device))
-        self.found_nonfinite = torch.tensor(found)
+        self.found_nonfinite = self._refused = torch.tensor(found)
         self.nonfinite_steps = torch.tensor((0 if steps is None else int(steps)) + found)
 
     def step_refused(self) -> Tensor | None:
         """Whether the last call asks an optimizer hook to skip the step (a 0-d bool tensor), or None:
-        a NaN/inf norm under nonfinite="skip"."""
-        return self.found_nonfinite if self.nonfinite == "skip" else None
+        a NaN/inf norm under nonfinite="skip" (not one GradScaler skips the step for itself)."""
+        if self.nonfinite != "skip":
+            return None
+        return self.found_nonfinite if self._refused is None else self._refused
 
     def selects(self, param) -> bool:
         """Whether this clip clips `param`'s gradient: its need_clip mark (default True) and the legacy
@@ -108,8 +136,11 @@ class ClipGradBase:
         else:
             # The C++ walk takes only tensors (it declines anything else), so the items are checked after it.
             if self._need_clip_predicate is None and not _ops.dynamo_is_tracing() and self._clip_parameters(items):
+                _warn_if_given_gradients(items, who)
                 return None
             pairs = [(p, p.grad) for p in _checked_parameters(items, who, _CALL_FORMS) if p.grad is not None]
+            if not pairs:
+                _warn_if_given_gradients(items, who)
         selected = [(p, g) for p, g in pairs if self.selects(p)]
         with torch.no_grad():
             self.clip_gradients_([g for _, g in selected], [p for p, _ in selected])

@@ -9,7 +9,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from torchclip._arguments import _PARAM_LIST, _PARAMETERS, _brief, _checked_parameters, _items_of
+from torchclip._arguments import _PARAM_LIST, _PARAMETERS, _checked_parameters, _items_of
+from torchclip._messages import brief, shown
 from torchclip.clip_base import ClipGradBase
 
 __all__ = ["exclude_from_clipping", "gradient_clip_of", "set_gradient_clip", "set_need_clip"]
@@ -51,7 +52,7 @@ def set_need_clip(target: torch.nn.Module | Tensor | Iterable[Tensor], need_clip
         >>> torchclip.set_need_clip(model.fc, False)  # the classifier is left out of clipping
     """
     if not isinstance(need_clip, bool):
-        raise TypeError(f"need_clip must be a bool, got {need_clip!r}")
+        raise TypeError(f"need_clip must be a bool, got {shown(need_clip)}")
     params = _checked_parameters(
         _items_of(target, "set_need_clip: target", _PARAMETERS), "set_need_clip: target", _PARAMETERS
     )
@@ -94,7 +95,7 @@ def exclude_from_clipping(module: torch.nn.Module, *, biases: bool = True, norm_
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     for name, flag in (("biases", biases), ("norm_layers", norm_layers)):
         if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {flag!r:.60}")
+            raise TypeError(f"{name} must be a bool, got {shown(flag)}")
     marked = set()
     for _, sub in module.named_modules():
         for name, p in sub.named_parameters(recurse=False):
@@ -140,7 +141,7 @@ def set_gradient_clip(
     """
     global _default_clip
     if clip is not None and not isinstance(clip, ClipGradBase):
-        raise TypeError(f"clip must be a ClipGradBase instance (e.g. ClipGradByGlobalNorm), got {clip!r}")
+        raise TypeError(f"clip must be a ClipGradBase instance (e.g. ClipGradByGlobalNorm), got {shown(clip)}")
     if program is not None and not isinstance(program, torch.nn.Module):
         raise TypeError(f"program must be the torch.nn.Module owning the parameters, got {type(program).__name__}")
     if param_list is None:
@@ -171,7 +172,7 @@ def _resolve_params(items: Sequence, program) -> Sequence[Tensor]:
     for i, item in enumerate(items):
         if not isinstance(item, kind):
             raise TypeError(
-                f"set_gradient_clip: param_list item {i} is {_brief(item)}; it takes {_PARAM_LIST}, not a mix"
+                f"set_gradient_clip: param_list item {i} is {brief(item)}; it takes {_PARAM_LIST}, not a mix"
             )
     return items
 

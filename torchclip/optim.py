@@ -48,6 +48,7 @@ from torch import Tensor
 
 from torchclip import _ops, _read_only_step
 from torchclip._arguments import _positive_finite
+from torchclip._messages import shown
 from torchclip._plan import _GROUP_KEY, _check_clip, _clip_in_place, _Plan, _steps_fused
 from torchclip.backward_norm import BackwardNorms
 from torchclip.clip import ClipGradByGlobalNorm, ClipGradByNorm, ClipGradByValue
@@ -203,8 +204,9 @@ class _Attachment:
                 taken=self.backward_norms,
             )
             if folding is not None:
-                if plan.folded.nonfinite == "skip":
-                    self._count_skips_on_device(plan.folded.found_nonfinite)
+                refused = plan.folded.step_refused()
+                if refused is not None:
+                    self._count_skips_on_device(refused)
                 grad_scale, found_inf = folding
                 return _fused_step(optimizer, step, grad_scale=grad_scale, found_inf=found_inf, read_only=True)
         if self.backward_norms is not None:
@@ -312,7 +314,7 @@ def attach(
     for i, group in enumerate(optimizer.param_groups):
         _check_clip(group.get(_GROUP_KEY), f"param_groups[{i}]['grad_clip']")
     if not isinstance(norm_in_backward, bool):
-        raise TypeError(f"norm_in_backward must be True or False, got {norm_in_backward!r}")
+        raise TypeError(f"norm_in_backward must be True or False, got {shown(norm_in_backward)}")
     return _Attachment(optimizer, grad_clip, norm_in_backward)
 
 
@@ -324,13 +326,15 @@ def _keras_clip(grad_clip, **keras) -> ClipGradBase | None:
     if len(given) > 1:
         raise ValueError(
             "Only one of clipnorm, clipvalue and global_clipnorm can be set (as in Keras), got "
-            + ", ".join(f"{name}={value!r}" for name, value in given.items())
+            + ", ".join(f"{name}={shown(value)}" for name, value in given.items())
         )
     if not given:
         return grad_clip
     ((name, value),) = given.items()
     if grad_clip is not None:
-        raise ValueError(f"grad_clip and {name} both set (grad_clip={grad_clip!r}, {name}={value!r}): give one of them")
+        raise ValueError(
+            f"grad_clip and {name} both set (grad_clip={shown(grad_clip)}, {name}={shown(value)}): give one of them"
+        )
     limit = _positive_finite(name, value)
     if name == "clipnorm":
         return ClipGradByNorm(limit)
@@ -355,7 +359,7 @@ def with_grad_clip(optimizer_class: type) -> type:
         >>> optimizer = ClippedLion(model.parameters(), lr=1e-4, global_clipnorm=1.0)
     """
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {shown(optimizer_class)}")
 
     def __init__(
         self,

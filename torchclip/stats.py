@@ -7,6 +7,7 @@ from torch import Tensor
 
 from torchclip import _ops
 from torchclip._gradients import Gradients
+from torchclip._messages import shown
 
 __all__ = ["grad_norm"]
 
@@ -42,16 +43,16 @@ def grad_norm(
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if not isinstance(group_separator, str):
-        raise TypeError(f"group_separator must be a str, got {group_separator!r:.60}")
+        raise TypeError(f"group_separator must be a str, got {shown(group_separator)}")
     refused = "`norm_type` must be a positive number or 'inf' (infinity norm). Got"  # Lightning's words
     try:
         number = float(norm_type)
     except (TypeError, ValueError) as error:  # float()'s class, as Lightning raises
-        raise type(error)(f"{refused} {norm_type!r:.60}") from None
+        raise type(error)(f"{refused} {shown(norm_type)}") from None
     if not number > 0:  # NaN too, which Lightning lets through to NaN norms
         raise ValueError(f"{refused} {number}")
+    _ops.check_exact(exact, norm_type)
     norm_type = number
-    _ops.check_exact(exact)
     named = [(name, p.grad.detach()) for name, p in module.named_parameters() if p.grad is not None]
     if not named:
         return {}

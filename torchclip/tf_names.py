@@ -20,6 +20,7 @@ from torch import Tensor
 
 from torchclip import _ops
 from torchclip._gradients import Gradients
+from torchclip._messages import shown
 
 __all__ = ["clip_by_global_norm", "clip_by_norm", "clip_by_value", "global_norm"]
 
@@ -41,9 +42,9 @@ def _clip_norm(name: str, value) -> float | Tensor:
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         number = float(value)
     else:
-        raise TypeError(f"{name} must be a number or a 0-d tensor, got {value!r}")
+        raise TypeError(f"{name} must be a number or a 0-d tensor, got {shown(value)}")
     if not (math.isfinite(number) and number > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        raise ValueError(f"{name} must be a finite number > 0, got {shown(value)}")
     return value if isinstance(value, Tensor) else number
 
 
@@ -88,11 +89,11 @@ def clip_by_value(t: Tensor, clip_value_min: float | Tensor, clip_value_max: flo
     numbers = [b for b in (clip_value_min, clip_value_max) if not isinstance(b, Tensor)]
     for name, bound in (("clip_value_min", clip_value_min), ("clip_value_max", clip_value_max)):
         if not isinstance(bound, (Tensor, int, float)) or isinstance(bound, bool):
-            raise TypeError(f"{name} must be a number or a tensor, got {bound!r}")
+            raise TypeError(f"{name} must be a number or a tensor, got {shown(bound)}")
     if len(numbers) == 2 and clip_value_min > clip_value_max:
         raise ValueError(
-            f"clip_value_min must be <= clip_value_max, got clip_value_min={clip_value_min!r}, "
-            f"clip_value_max={clip_value_max!r}"
+            f"clip_value_min must be <= clip_value_max, got clip_value_min={shown(clip_value_min)}, "
+            f"clip_value_max={shown(clip_value_max)}"
         )
     if len(numbers) == 2:
         return torch.clamp(t, clip_value_min, clip_value_max)
@@ -106,10 +107,10 @@ def _axes(axes, ndim: int) -> tuple[int, ...] | None:
         return None
     items = [axes] if isinstance(axes, int) else list(axes) if isinstance(axes, (list, tuple)) else None
     if items is None or any(isinstance(a, bool) or not isinstance(a, int) for a in items):
-        raise TypeError(f"axes must be an int or a list of ints, got {axes!r}")
+        raise TypeError(f"axes must be an int or a list of ints, got {shown(axes)}")
     for a in items:
         if not -max(ndim, 1) <= a < max(ndim, 1):
-            raise ValueError(f"axes: {a} is out of range for a tensor of {ndim} dimensions (axes={axes!r})")
+            raise ValueError(f"axes: {a} is out of range for a tensor of {ndim} dimensions (axes={shown(axes)})")
     return tuple(a % max(ndim, 1) for a in items)
 
 
@@ -146,7 +147,9 @@ def clip_by_norm(
         raise TypeError(f"clip_by_norm: t has dtype {t.dtype}; a norm needs a floating point or complex dtype")
     dims = _axes(axes, t.dim())
     if _ops.check_exact(exact) and dims is not None:
-        raise ValueError(f"exact=True: norms over axes are not taken exactly; exact norms need axes=None, got {axes!r}")
+        raise ValueError(
+            f"exact=True: norms over axes are not taken exactly; exact norms need axes=None, got {shown(axes)}"
+        )
     wide = torch.complex128 if t.is_complex() else torch.float64
     if dims is None:
         norm = Gradients([t]).tensor_norms(exact=exact)[0]
@@ -236,7 +239,7 @@ def clip_by_global_norm(
     clip_norm = _clip_norm("clip_norm", clip_norm)
     _ops.check_exact(exact)
     if use_norm is not None and not (isinstance(use_norm, (int, float, Tensor)) and not isinstance(use_norm, bool)):
-        raise TypeError(f"use_norm must be a number or a 0-d tensor, got {use_norm!r}")
+        raise TypeError(f"use_norm must be a number or a 0-d tensor, got {shown(use_norm)}")
     if isinstance(use_norm, Tensor) and use_norm.dim() != 0:
         raise ValueError(f"use_norm must be a number or a 0-d tensor, got a tensor of shape {tuple(use_norm.shape)}")
     if not tensors:

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from torchclip import _ops
 from torchclip._arguments import _policy
+from torchclip._messages import shown
 from torchclip.adaptive._state import _check_count, _check_positive, _check_state, _StatefulClip
 from torchclip.clip_base import ClipGradBase, add_to_count
 
@@ -69,7 +70,7 @@ class SkipStepOnSpike(_StatefulClip):
         exact: bool | None = None,
     ):
         if clip is not None and not isinstance(clip, ClipGradBase):
-            raise TypeError(f"clip must be a torchclip clip (e.g. ClipGradByGlobalNorm) or None, got {clip!r}")
+            raise TypeError(f"clip must be a torchclip clip (e.g. ClipGradByGlobalNorm) or None, got {shown(clip)}")
         self.clip = clip
         self.window = _check_count("window", window)
         self.sigma_factor = _check_positive("sigma_factor", sigma_factor)

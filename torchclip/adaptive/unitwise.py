@@ -10,6 +10,7 @@ from torch import Tensor
 from torchclip import _ops
 from torchclip._arguments import _policy
 from torchclip._gradients import Gradients, Route, kinds_of
+from torchclip._messages import shown
 from torchclip.adaptive._state import _check_positive, _NonfiniteGate, _targets_and_norms
 from torchclip.clip_base import ClipGradBase
 
@@ -66,12 +67,12 @@ class ClipGradByUnitwiseNorm(_NonfiniteGate, ClipGradBase):
         self.clip_factor = _check_positive("clip_factor", clip_factor)
         self.eps = _check_positive("eps", eps, allow_zero=True)
         if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
-            raise TypeError(f"norm_type must be a number, got {norm_type!r}")
+            raise TypeError(f"norm_type must be a number, got {shown(norm_type)}")
         if not float(norm_type) > 0:
-            raise ValueError(f"norm_type must be > 0 (inf allowed), got {norm_type!r}")
+            raise ValueError(f"norm_type must be > 0 (inf allowed), got {shown(norm_type)}")
         self.norm_type = float(norm_type)
         self.nonfinite = _policy(nonfinite)
-        self.exact = _ops.check_exact(exact)
+        self.exact = _ops.check_exact(exact, norm_type)
 
     def clip_gradients_(self, grads, params) -> None:  # (no C++ walk: the fused op runs on the lists)
         if not grads:

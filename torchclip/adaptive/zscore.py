@@ -102,7 +102,8 @@ class ClipGradByZScore(_StatefulClip):
     Args:
         alpha: the EMA coefficient of mean and variance, in (0, 1).
         z_thresh: the z-score above which a norm is a spike (> 0).
-        max_grad_norm: a cap on the target norm, also the warm-up's clip; None: no cap.
+        max_grad_norm: a cap on the target norm, also the warm-up's clip; None: no cap. The default, 1.0
+            (zclip's), clips every step of a model whose usual norm is above it, hiding the adaptive rule.
         eps: added to std in the z-score (>= 0).
         warmup_steps: calls that only record the norm (>= 1).
         mode: "zscore" or "percentile".
