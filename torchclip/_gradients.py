@@ -5,14 +5,14 @@ other call (each drop-in's general path, the clip classes, the adaptive clips, t
 TensorFlow names, the optimizer hooks when the walk declines) builds one Gradients from the tensors it
 reads or writes and follows its `route`, tried in this order:
 
-    HAND_SHARDS     process_group= was given: this rank's share of the group's gradients
+    SHARDED         process_group= was given (pipeline stages, a hand-sharded optimizer), or DTensor
+                    gradients (FSDP2, HSDP, tensor parallelism, experts, on any meshes, plain tensors
+                    beside them): the local shards on the kernels, the collectives of torchclip/_sharded.py
     KERNELS         plain strided tensors on one device whose kernels were built, autograd not
                     tracking them: torchclip's ops (the walk's own rule, csrc/walk/param_walk.h)
-    DTENSOR_SHARDS  DTensor gradients (FSDP2, tensor parallelism) with Shard/Replicate placements and
-                    CPU local shards: the local shards, one collective for the norms
     SPARSE          a sparse COO tensor among them (torch.nn.utils cannot clip those)
-    TORCH           anything else (other devices, subclasses, CUDA DTensors, differentiable norms):
-                    torch's own ops
+    TORCH           anything else (other devices, subclasses, differentiable norms, placements the
+                    sharded route does not take): torch's own ops
 
 Each entry point's rule over the route is a few lines beside it; the operations every rule shares
 (per-tensor norms, the sharded total, scaling, clamping) are the methods below.
@@ -26,19 +26,19 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from torchclip import _ops, _shards, _sparse
+from torchclip import _ops, _sparse
 
 
 class Route(enum.Enum):
-    HAND_SHARDS = "hand shards"
+    SHARDED = "sharded"
     KERNELS = "kernels"
-    DTENSOR_SHARDS = "DTensor shards"
     SPARSE = "sparse"
     TORCH = "torch"
 
 
 class Gradients:
-    """A call's gradients (`tensors`), the route they take, and their shards on a sharded route.
+    """A call's gradients (`tensors`), the route they take, and their layout on the sharded route
+    (`shards`, a torchclip._sharded.Layout).
 
     `params[i]` is `tensors[i]`'s parameter; only hand shards read it (which ones are replicated).
     `devices`: the device types whose kernels the call may use (the unit-wise clip's are CPU-only).
@@ -57,12 +57,18 @@ class Gradients:
         self.tensors = tensors
         self.shards = None
         if process_group is not None:
-            self.route = Route.HAND_SHARDS
-            self.shards = _shards.hand_shards(tensors, tensors if params is None else params, process_group)
+            self.route = Route.SHARDED
+            self.shards = _sharded_layout(tensors, params, process_group)
+            if self.shards is None:
+                raise ValueError(
+                    "process_group: sharded clipping takes plain strided CPU or CUDA tensors on one device, or "
+                    f"DTensors with Shard, Replicate or Partial placements whose local shards are such; got "
+                    f"{kinds_of(tensors)}"
+                )
         elif _ops.kernels_serve(tensors, devices) and not _tracked(tensors):
             self.route = Route.KERNELS
-        elif (shards := _cpu_dtensor_shards(tensors)) is not None:
-            self.route = Route.DTENSOR_SHARDS
+        elif not _tracked(tensors) and (shards := _sharded_layout(tensors, params, None)) is not None:
+            self.route = Route.SHARDED
             self.shards = shards
         elif any(_sparse.is_sparse(t) for t in tensors):
             self.route = Route.SPARSE
@@ -76,7 +82,8 @@ class Gradients:
 
     def tensor_norms(self, ord: float = 2.0, exact: bool | None = None) -> Tensor:
         """Each tensor's `ord`-norm in float64: one fused pass on KERNELS; the global norm of each
-        sharded tensor on DTENSOR_SHARDS (float64 on the CPU, the same on every rank); else one norm per
+        sharded tensor on SHARDED (the same on every rank; per-tensor norms of a hand-sharded list are
+        refused); else one norm per
         tensor on the first tensor's device, differentiable (complex128 for complex data; sparse COO by
         its values). exact: exact norms (None: the process-wide setting; see refuse_exact)."""
         return self._norms(ord, exact, with_total=False)[0]
@@ -89,10 +96,10 @@ class Gradients:
 
     def _norms(self, ord: float, exact: bool | None, with_total: bool) -> tuple[Tensor, Tensor | None]:
         self.refuse_exact(exact)
-        if self.route is Route.HAND_SHARDS:
-            raise ValueError("process_group: hand-sharded gradients have a global norm, not per-tensor norms")
-        if self.route is Route.DTENSOR_SHARDS:
-            total, norms = _shards.global_tensor_norms(self.shards, ord, exact)
+        if self.route is Route.SHARDED:
+            if not self.shards.aligned:
+                raise ValueError("process_group: hand-sharded gradients have a global norm, not per-tensor norms")
+            total, norms = self.shards.norms(ord, per_tensor=True, exact=_ops.exact_norms(exact))
             return norms, total
         exactly = _ops.exact_norms(exact) and ord in (1.0, 2.0)
         if self.route is Route.KERNELS or (exactly and self.route is Route.SPARSE and _sparse.on_cpu(self.tensors)):
@@ -114,12 +121,14 @@ class Gradients:
         ):
             raise ValueError(
                 "exact=True: exact norms are taken of plain CPU and CUDA tensors that autograd does not track, "
-                f"CPU sparse tensors and CPU shards; got {kinds_of(self.tensors)}"
+                f"CPU sparse tensors and sharded gradients; got {kinds_of(self.tensors)}"
             )
 
     def sharded_total_norm(self, ord: float, error_if_nonfinite: bool, exact: bool | None = None) -> Tensor:
-        """The global norm of sharded gradients (float64, on the CPU, the same on every rank)."""
-        return _shards.sharded_norm(self.shards, ord, error_if_nonfinite, exact)
+        """The global norm of sharded gradients (float64, on their device, the same on every rank)."""
+        total, _ = self.shards.norms(ord, exact=_ops.exact_norms(exact))
+        raise_if_nonfinite(total, ord, error_if_nonfinite)
+        return total
 
     def scale_(self, scale: Tensor) -> None:
         """Each written tensor times `scale` (0-d) or `scale[i]` (1-d), in place, rounded as torch's
@@ -127,7 +136,10 @@ class Gradients:
         targets = self.local
         if not targets:
             return
-        if self.shards is not None or self.route is Route.KERNELS:
+        if self.shards is not None:
+            self.shards.scale_(scale)
+            return
+        if self.route is Route.KERNELS:
             _ops.multi_tensor_scale_(targets, scale)
             return
         for i, t in enumerate(targets):  # (scaling a sparse tensor's stored values scales its sums)
@@ -155,13 +167,26 @@ def _tracked(tensors: Sequence[Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _cpu_dtensor_shards(tensors: Sequence[Tensor]):
-    """The shards of DTensor gradients whose local shards the CPU kernels serve (the collective runs on
-    gloo for now), else None: CUDA DTensors take torch's own DTensor ops."""
-    shards = _shards.dtensor_shards(tensors)
-    if shards is None or not _ops.kernels_serve(shards.local, devices=("cpu",)):
+def _sharded_layout(tensors: Sequence[Tensor], params: Sequence[Tensor] | None, process_group):
+    """The sharded route's layout, or None. torchclip._sharded imports torch.distributed, which is heavy and
+    optional: it is imported where a process group is given or a tensor is a DTensor, never at import."""
+    if process_group is None and not any(type(t).__name__ == "DTensor" for t in tensors):
         return None
-    return shards
+    from torchclip import _sharded
+
+    if not _sharded.distributed_ready():
+        return None
+    return _sharded.layout_of(list(tensors), None if params is None else list(params), process_group)
+
+
+def raise_if_nonfinite(total: Tensor, norm_type: float, error_if_nonfinite: bool) -> None:
+    """torch.nn.utils' error for error_if_nonfinite (a host read of the norm, as torch's)."""
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+            "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            "`error_if_nonfinite=False`"
+        )
 
 
 def _tensor_norm64(t: Tensor, ord: float) -> Tensor:

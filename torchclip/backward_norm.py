@@ -303,16 +303,16 @@ class BackwardNorms:
         if not all(type(g) is Tensor for _, g in grads):
             dtensors, version_of = [_is_dtensor(g) for _, g in grads], _version_of
             if any(dtensors):
-                from torchclip.distributed import dtensor_shards
+                from torchclip import _sharded
 
-                shards = dtensor_shards([g for _, g in grads]) if all(dtensors) else None
-                if shards is None:
+                shards = _sharded.layout_of([g for _, g in grads]) if _sharded.distributed_ready() else None
+                if shards is None or shards.partial:  # (a Partial gradient's norm needs its reduction first)
                     return None
         values, missed = [], []
-        for p, g in grads:
+        for i, (p, g) in enumerate(grads):
             record = measured.get(id(p))
             if record is None or record.grad() is not g or record.version != version_of(g) or record.exact != exact:
-                piece = g._local_tensor if shards is not None else g
+                piece = shards.local[i] if shards is not None else g
                 if not _measurable(piece, exact):
                     return None
                 missed.append((len(values), piece))
@@ -340,13 +340,11 @@ class BackwardNorms:
 
     @staticmethod
     def _combine_shards(shards, values, exact: bool, dtype, device) -> tuple[Tensor, Tensor]:
-        """The global norms from this rank's measurements of its DTensor shards: one collective, as
-        torchclip.distributed takes them after backward (the pieces this rank does not count are zeros)."""
-        from torchclip.distributed import sharded_norms
-
-        local = torch.stack([v.cpu() for v in values])
+        """The global norms from this rank's measurements of its DTensor shards: the collectives the sharded
+        route takes after backward (torchclip/_sharded.py), on the pieces this rank counts (others zero)."""
+        local = torch.stack(values)
         local[[not counted for counted in shards.counted]] = 0
-        total, norms = sharded_norms(shards, 2.0, per_tensor=True, exact=exact, local=local)
+        total, norms = shards.norms(2.0, per_tensor=True, exact=exact, local=local)
         return total.to(device=device, dtype=dtype), norms
 
     def discard(self) -> None:

@@ -42,8 +42,9 @@ from torch import Tensor
 from torch.nn.utils import clip_grad as _torch_clip_grad
 from typing_extensions import deprecated
 
-from torchclip import _ops, _shards, _sparse
-from torchclip._gradients import Gradients, Route
+from torchclip import _ops, _sparse
+from torchclip._gradients import Gradients, Route, raise_if_nonfinite
+from torchclip._messages import brief, shown
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -82,13 +83,24 @@ def _as_number(name: str, value) -> float:
     try:
         return float(value)
     except (TypeError, ValueError) as error:
-        raise type(error)(f"{name} must be a number, got {value!r}") from None
+        raise type(error)(f"{name} must be a number, got {shown(value)}") from None
 
 
 def _check_tensors(items: list, name: str) -> None:
     for i, item in enumerate(items):
-        if not isinstance(item, Tensor):
-            raise NotATensorError(f"{name}[{i}] must be a Tensor, got {type(item).__name__}: {item!r:.60}")
+        if isinstance(item, Tensor):
+            continue
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            fix = (
+                "model.parameters()"
+                if name == "parameters"
+                else "the tensors, e.g. [p.grad for p in model.parameters()]"
+            )
+            raise NotATensorError(
+                f"{name}[{i}] is ({item[0]!r:.60}, {type(item[1]).__name__}), a (name, parameter) pair as "
+                f"model.named_parameters() yields, not a Tensor; pass {fix}"
+            )
+        raise NotATensorError(f"{name}[{i}] must be a Tensor, got {brief(item)}")
 
 
 def _grads(parameters: list) -> list[Tensor]:
@@ -122,7 +134,7 @@ def get_total_norm(
     process_group: ProcessGroup | None = None,
     exact: bool | None = None,
 ) -> Tensor:
-    r"""The norm of an iterable of tensors, as if they were concatenated into one vector.
+    r"""torchclip's get_total_norm: the norm of tensors, as if they were concatenated into one vector.
 
     Drop-in for `torch.nn.utils.get_total_norm`, with its result: torch's dtype (the promotion of the
     inputs' dtypes), on the first tensor's device; `tensor(0.)` for no tensors. Unlike torch's, the norm
@@ -154,7 +166,7 @@ def get_total_norm(
         tensor(4.3589)
     """
     tensors = _readable(tensors)
-    _ops.check_exact(exact)
+    _ops.check_exact(exact, norm_type)
     if process_group is None and not _ops.dynamo_is_tracing():
         total_norm = _ops.total_norm_of_plain(tensors, norm_type, error_if_nonfinite, exact)
         if total_norm is not None:
@@ -171,7 +183,7 @@ def _total_norm_general(
 ):
     gradients = Gradients(tensors, process_group=process_group)
     gradients.refuse_exact(exact)
-    if gradients.route is Route.HAND_SHARDS:
+    if gradients.route is Route.SHARDED:
         total = gradients.sharded_total_norm(norm_type, error_if_nonfinite, exact)
         return total.to(_ops.total_norm_dtype(tensors))
     if len(tensors) == 0:
@@ -182,7 +194,7 @@ def _total_norm_general(
     if gradients.route is Route.SPARSE:
         total_wide, dtype = _total_norm_with_sparse(gradients, norm_type, error_if_nonfinite, exact)
         return total_wide.to(dtype)
-    # DTensors too: torch's result is itself a DTensor, which the drop-in returns as torch does.
+    # DTensors the sharded route does not take: torch's result is itself a DTensor, returned as torch does.
     return _torch_get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
 
 
@@ -193,7 +205,7 @@ def _total_norm_with_sparse(gradients: Gradients, norm_type: float, error_if_non
     tensors = gradients.tensors
     if _ops.exact_norms(exact) and norm_type in (1.0, 2.0) and _sparse.on_cpu(tensors):
         _, total = gradients.norms(norm_type, exact)
-        _shards.raise_if_nonfinite(total, norm_type, error_if_nonfinite)
+        raise_if_nonfinite(total, norm_type, error_if_nonfinite)
         return total, _ops.total_norm_dtype(tensors)
     device = tensors[0].device
     sparse = [t for t in tensors if _sparse.is_sparse(t)]
@@ -205,7 +217,7 @@ def _total_norm_with_sparse(gradients: Gradients, norm_type: float, error_if_non
     else:
         norms += [torch.linalg.vector_norm(t.abs().to(torch.float64), norm_type).to(device) for t in dense]
     total = torch.linalg.vector_norm(torch.cat([n.reshape(-1) for n in norms]), norm_type)
-    _shards.raise_if_nonfinite(total, norm_type, error_if_nonfinite)
+    raise_if_nonfinite(total, norm_type, error_if_nonfinite)
     return total, _ops.total_norm_dtype(tensors)
 
 
@@ -215,7 +227,7 @@ def clip_grads_with_norm_(
     total_norm: Tensor,
     foreach: bool | None = None,
 ) -> None:
-    r"""Scale the gradients of `parameters` by `min(max_norm / (total_norm + 1e-6), 1)`, in place.
+    r"""torchclip's clip_grads_with_norm_: scale the gradients by `min(max_norm / (total_norm + 1e-6), 1)`.
 
     Drop-in for `torch.nn.utils.clip_grads_with_norm_`: the coefficient is computed exactly as torch
     computes it, in `total_norm`'s dtype and on its device. A coefficient of exactly 1 writes nothing.
@@ -240,10 +252,14 @@ def clip_grads_with_norm_(
     max_norm = _as_number("max_norm", max_norm)
     _check_total_norm(total_norm)
     with torch.no_grad():
-        if Gradients(grads).route is not Route.KERNELS:
+        gradients = Gradients(grads)
+        # Sharded gradients are scaled through their local shards, by one coefficient across any meshes
+        # (torch's mul_ refuses mixed meshes); a DTensor total_norm (torch's own get_total_norm's) goes to torch.
+        served = gradients.route is Route.KERNELS or (gradients.route is Route.SHARDED and type(total_norm) is Tensor)
+        if not served:
             return _torch_clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
         if grads:
-            _ops.multi_tensor_scale_(grads, _coefficient(max_norm, total_norm, 1e-6).to(grads[0].device))
+            gradients.scale_(_coefficient(max_norm, total_norm, 1e-6).to(gradients.local[0].device))
     return None
 
 
@@ -251,7 +267,7 @@ def _check_total_norm(total_norm) -> None:
     """torch's errors for a total_norm that is not a 0-d tensor (TypeError, RuntimeError), naming it; the
     kernels would take a 1-d one as a scale per gradient."""
     if not isinstance(total_norm, Tensor):
-        raise TypeError(f"total_norm must be a 0-d tensor (get_total_norm's result), got {total_norm!r:.60}")
+        raise TypeError(f"total_norm must be a 0-d tensor (get_total_norm's result), got {shown(total_norm)}")
     if total_norm.dim() != 0:
         raise RuntimeError(
             f"total_norm must be a 0-d tensor (get_total_norm's result), got a tensor of shape "
@@ -274,7 +290,7 @@ def clip_grad_norm_(
     process_group: ProcessGroup | None = None,
     exact: bool | None = None,
 ) -> Tensor:
-    r"""Clip the gradient norm of an iterable of parameters, in place; return the total norm.
+    r"""torchclip's clip_grad_norm_: clip the gradients' total norm, in place; return the norm.
 
     Drop-in for `torch.nn.utils.clip_grad_norm_`: the norm of all gradients viewed as one vector, then
     every gradient multiplied by `min(max_norm / (total_norm + 1e-6), 1)`. The norm, the check and the
@@ -312,7 +328,7 @@ def clip_grad_norm_(
     """
     given = parameters
     parameters = _readable(parameters)
-    _ops.check_exact(exact)
+    _ops.check_exact(exact, norm_type)
     if process_group is None and not _ops.dynamo_is_tracing():
         total_norm = _ops.clip_grad_norm_of_plain(parameters, max_norm, norm_type, error_if_nonfinite, exact=exact)
         if total_norm is not None:
@@ -337,7 +353,7 @@ def _clip_grad_norm_general(
     params = [p for p in parameters if p.grad is not None] if process_group is not None else None
     gradients = Gradients(grads, params, process_group=process_group)
     gradients.refuse_exact(exact)
-    if gradients.shards is not None:  # hand shards, FSDP2 / DTensor gradients: one collective
+    if gradients.shards is not None:  # DTensors (FSDP2, TP, ...), pipeline stages, hand shards
         total = gradients.sharded_total_norm(norm_type, error_if_nonfinite, exact)
         gradients.scale_(_coefficient(max_norm, total, 1e-6))
         return total.to(_ops.total_norm_dtype(grads))
@@ -365,7 +381,7 @@ def clip_grad_norm(
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
 ) -> Tensor:
-    r"""Deprecated alias of `clip_grad_norm_`, which it calls with the same arguments.
+    r"""torchclip's clip_grad_norm: a deprecated alias of `clip_grad_norm_`, called with the same arguments.
 
     Warns with a FutureWarning, as `torch.nn.utils.clip_grad_norm` does.
     """
@@ -377,7 +393,7 @@ def clip_grad_value_(
     clip_value: float,
     foreach: bool | None = None,
 ) -> None:
-    r"""Clamp every gradient to `[-clip_value, clip_value]`, in place.
+    r"""torchclip's clip_grad_value_: clamp every gradient to `[-clip_value, clip_value]`, in place.
 
     Drop-in for `torch.nn.utils.clip_grad_value_`, in one read-write pass (torch makes two). Where it
     differs from torch: with every gradient None it does nothing (torch raises an internal error), a

@@ -37,7 +37,8 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torchclip import _ops
-from torchclip._gradients import Gradients, Route
+from torchclip._gradients import Gradients
+from torchclip._messages import shown
 from torchclip.clip_base import ClipGradBase
 
 # The epsilon both references add to the norm in the clip coefficient (torch's clip_grad_norm_'s).
@@ -87,42 +88,42 @@ def _divide(a, b):
 
 def _check_fraction(name: str, value, low_open: bool, high_open: bool) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {value!r}")
+        raise TypeError(f"{name} must be a number, got {shown(value)}")
     number = float(value)
     above = number > 0.0 if low_open else number >= 0.0
     below = number < 1.0 if high_open else number <= 1.0
     if not (above and below):
         interval = f"{'(' if low_open else '['}0, 1{')' if high_open else ']'}"
-        raise ValueError(f"{name} must be in {interval}, got {value!r}")
+        raise ValueError(f"{name} must be in {interval}, got {shown(value)}")
     return number
 
 
 def _check_positive(name: str, value, allow_zero: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {value!r}")
+        raise TypeError(f"{name} must be a number, got {shown(value)}")
     number = float(value)
     if not (math.isfinite(number) and (number >= 0.0 if allow_zero else number > 0.0)):
-        raise ValueError(f"{name} must be a finite number {'>=' if allow_zero else '>'} 0, got {value!r}")
+        raise ValueError(f"{name} must be a finite number {'>=' if allow_zero else '>'} 0, got {shown(value)}")
     return number
 
 
 def _check_count(name: str, value, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
+        raise TypeError(f"{name} must be an int, got {shown(value)}")
     if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+        raise ValueError(f"{name} must be >= {minimum}, got {shown(value)}")
     return value
 
 
 def _check_bool(name: str, value) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
+        raise TypeError(f"{name} must be a bool, got {shown(value)}")
     return value
 
 
 def _check_choice(name: str, value, choices: tuple[str, ...]) -> str:
     if value not in choices:
-        raise ValueError(f"{name} must be {' or '.join(repr(c) for c in choices)}, got {value!r}")
+        raise ValueError(f"{name} must be {' or '.join(repr(c) for c in choices)}, got {shown(value)}")
     return value
 
 
@@ -309,7 +310,7 @@ class _StatefulClip(_NonfiniteGate, ClipGradBase):
         shards (process_group) give the global norm alone: a tensor's pieces may live on several ranks.
         With a process group every rank calls, gradients or not: the norm is a collective."""
         gradients = Gradients(grads, params, process_group=self.process_group)
-        if gradients.route is Route.HAND_SHARDS:
+        if gradients.shards is not None and not gradients.shards.aligned:
             return gradients.local, None, gradients.sharded_total_norm(2.0, False, self.exact)
         norms, total = gradients.norms(2.0, self.exact)
         return gradients.local, norms, total
