@@ -81,9 +81,8 @@ class Gradients:
         return self.tensors if self.shards is None else self.shards.local
 
     def tensor_norms(self, ord: float = 2.0, exact: bool | None = None) -> Tensor:
-        """Each tensor's `ord`-norm in float64: one fused pass on KERNELS; the global norm of each
-        sharded tensor on SHARDED (the same on every rank; per-tensor norms of a hand-sharded list are
-        refused); else one norm per
+        """Each tensor's `ord`-norm in float64: one fused pass on KERNELS; the global norm of each sharded
+        tensor on SHARDED (the same on every rank; a hand-sharded list's are refused); else one norm per
         tensor on the first tensor's device, differentiable (complex128 for complex data; sparse COO by
         its values). exact: exact norms (None: the process-wide setting; see refuse_exact)."""
         return self._norms(ord, exact, with_total=False)[0]
