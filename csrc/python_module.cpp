@@ -65,6 +65,15 @@ PYBIND11_MODULE(_C, m) {
       py::arg("tensors"), py::arg("cuda_allowed") = true,
       "Whether the torchclip ops serve every tensor of this list or tuple (walk/param_walk.h).");
 
+  m.def(
+      "defined_grads",
+      [](py::handle parameters) {
+        return py::reinterpret_steal<py::object>(torchclip::walk::defined_grads(parameters.ptr()));
+      },
+      py::arg("parameters"),
+      "(the defined gradients, the first parameter whose gradient has another shape or -1), or None where an "
+      "item is not a tensor (walk/param_walk.h).");
+
   using namespace torchclip::walk;  // the fast path's entry points: see walk/fast_path.h
   m.def("total_norm_of_plain", &total_norm_of_plain, py::arg("tensors"), py::arg("norm_type"),
       py::arg("error_if_nonfinite"), py::arg("exact") = py::none());

@@ -480,6 +480,12 @@ def kernels_serve(tensors: Sequence[torch.Tensor], devices: Sequence[str] = KERN
     return _C.kernels_serve(tensors, "cuda" in devices)
 
 
+def defined_grads(parameters: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], int] | None:
+    """(the defined gradients of a list or tuple of tensors, the index of the first whose gradient's shape is
+    not its own or -1), in one C++ pass; None where an item is not a tensor (walk/param_walk.h)."""
+    return _C.defined_grads(parameters)
+
+
 def kernels_serve_traced(tensors: Sequence[torch.Tensor], devices: Sequence[str] = KERNEL_DEVICES) -> bool:
     """kernels_serve's rule where dynamo traces: plain_on's device and layout tests, in Python. It equals
     the C++ rule on every tensor that is not a subclass or a wrapper (tests/test_gradients.py holds it

@@ -216,9 +216,8 @@ def layout_of(grads: list[Tensor], params: list[Tensor] | None = None, process_g
     and no process_group; placements other than Shard, Replicate and Partial (sum, avg, max, min); a mesh
     without this rank; pieces the kernels do not serve (another device, a subclass, several devices)."""
     dtensor_type = _dtensor_type()
-    is_dtensor = [dtensor_type is not None and type(g) is dtensor_type for g in grads]
-    if any(is_dtensor):
-        layout = _dtensor_layout(grads, is_dtensor, process_group)
+    if dtensor_type is not None and any(type(g) is dtensor_type for g in grads):
+        layout = _dtensor_layout(grads, dtensor_type, process_group)
     elif process_group is not None:
         replicated = [bool(getattr(p, REPLICATED_MARK, False)) for p in (grads if params is None else params)]
         layout = hand_layout(grads, replicated, process_group, aligned=False)
@@ -303,27 +302,32 @@ def _spec_rule(spec):
     return entry
 
 
-def _dtensor_layout(grads: list[Tensor], is_dtensor: list[bool], process_group) -> Layout | None:
+def _dtensor_layout(grads: list[Tensor], dtensor_type, process_group) -> Layout | None:
     buckets: dict = {}  # the ranks a mesh spans -> (mesh, Bucket), in first-appearance order
     local, counted, partial, plain = [], [], [], []
-    last_ranks, bucket = None, None
-    for i, (g, dtensor) in enumerate(zip(grads, is_dtensor)):
-        if not dtensor:
-            local.append(g)
-            counted.append(False)  # decided below, once the widest mesh is known
+    # (the loop runs once per gradient: its lookups are bound to locals, and a cached rule is read inline)
+    rules_get, add_local, add_counted = _SPEC_RULES.get, local.append, counted.append
+    last_ranks, add_member = None, None
+    for i, g in enumerate(grads):
+        if type(g) is not dtensor_type:
+            add_local(g)
+            add_counted(False)  # decided below, once the widest mesh is known
             plain.append(i)
             continue
-        rule = _spec_rule(g._spec)
-        if rule is None:
-            return None
+        spec = g._spec
+        rule = rules_get(id(spec))
+        if rule is None or rule[0] is not spec:
+            rule = _spec_rule(spec)
+            if rule is None:
+                return None
         _, mesh, counted_here, partial_dims, ranks = rule
         if ranks is not last_ranks:
             if ranks not in buckets:
                 buckets[ranks] = (mesh, Bucket([], _groups_spanning(mesh, ranks)))
-            bucket, last_ranks = buckets[ranks][1], ranks
-        local.append(g._local_tensor)
-        counted.append(counted_here)
-        bucket.members.append(i)
+            add_member, last_ranks = buckets[ranks][1].members.append, ranks
+        add_local(g._local_tensor)
+        add_counted(counted_here)
+        add_member(i)
         if partial_dims:
             partial.append(_PartialPiece(i, mesh, partial_dims))
     # Plain tensors: replicated over the DTensors' ranks, counted by the widest mesh's first rank.

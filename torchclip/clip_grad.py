@@ -105,16 +105,22 @@ def _check_tensors(items: list, name: str) -> None:
 
 def _grads(parameters: list) -> list[Tensor]:
     """The defined gradients, after checking what torch leaves unchecked: that every item is a tensor
-    and that every gradient has its parameter's shape."""
-    _check_tensors(parameters, "parameters")
-    grads = []
-    for i, p in enumerate(parameters):
-        g = p.grad
-        if g is None:
-            continue
-        if g.shape != p.shape:
-            raise ValueError(f"parameters[{i}] has shape {tuple(p.shape)} but its gradient has shape {tuple(g.shape)}")
-        grads.append(g)
+    and that every gradient has its parameter's shape (in one C++ pass outside traces: _ops.defined_grads)."""
+    found = None if _ops.dynamo_is_tracing() else _ops.defined_grads(parameters)
+    if found is None:
+        _check_tensors(parameters, "parameters")
+        grads = [p.grad for p in parameters]
+        mismatch = next(
+            (i for i, (p, g) in enumerate(zip(parameters, grads)) if g is not None and g.shape != p.shape), -1
+        )
+        grads = [g for g in grads if g is not None]
+    else:
+        grads, mismatch = found
+    if mismatch >= 0:
+        p = parameters[mismatch]
+        raise ValueError(
+            f"parameters[{mismatch}] has shape {tuple(p.shape)} but its gradient has shape {tuple(p.grad.shape)}"
+        )
     return grads
 
 

@@ -397,6 +397,35 @@ bool kernels_serve(PyObject* tensors, bool cuda_allowed) {
   return true;
 }
 
+PyObject* defined_grads(PyObject* parameters) {
+  const std::optional<Items> items = items_of(parameters);
+  if (!items) {
+    Py_RETURN_NONE;
+  }
+  py::list grads;
+  Py_ssize_t mismatch = -1;
+  for (Py_ssize_t i = 0; i < items->count; ++i) {
+    PyObject* element = items->elements[i];
+    if (!THPVariable_Check(element) || THPVariable_Unpack(element).is_nested()) {
+      Py_RETURN_NONE;
+    }
+    const at::Tensor& param = THPVariable_Unpack(element);
+    const at::Tensor& grad = param.unsafeGetTensorImpl()->grad();
+    if (!grad.defined()) {
+      continue;
+    }
+    if (grad.is_nested()) {
+      Py_RETURN_NONE;
+    }
+    if (grad.sizes() != param.sizes()) {
+      mismatch = i;
+      break;
+    }
+    grads.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(grad)));
+  }
+  return py::make_tuple(grads, mismatch).release().ptr();
+}
+
 GatheredTensors::~GatheredTensors() {
   if (borrowed_) {
     for (at::Tensor& t : tensors_) {
