@@ -406,7 +406,9 @@ PyObject* defined_grads(PyObject* parameters) {
   Py_ssize_t mismatch = -1;
   for (Py_ssize_t i = 0; i < items->count; ++i) {
     PyObject* element = items->elements[i];
-    if (!THPVariable_Check(element) || THPVariable_Unpack(element).is_nested()) {
+    // (a non-leaf goes to Python too: torch's .grad getter warns there, and the drop-ins warn as torch does)
+    if (!THPVariable_Check(element) || THPVariable_Unpack(element).is_nested() ||
+        !THPVariable_Unpack(element).is_leaf()) {
       Py_RETURN_NONE;
     }
     const at::Tensor& param = THPVariable_Unpack(element);

@@ -41,7 +41,8 @@ bool kernels_serve(PyObject* tensors, bool cuda_allowed);
 
 // The general path's read of a parameter list (a list or tuple of tensors of any type: DTensor parameters
 // too): a new reference to (a list of the defined gradients, the index of the first parameter whose gradient's
-// shape is not its own or -1), or to None where an item is not a tensor or is nested, for Python to name it.
+// shape is not its own or -1), or to None where an item is not a tensor, is nested or is not a leaf (whose
+// .grad torch's getter warns about), for Python to take.
 // One pass in C++: in Python, p.grad and two .shape reads cost ~1.5 us a DTensor parameter. A gradient is
 // read as the tensor's own (TensorImpl::grad), which is what .grad returns for every tensor type that does
 // not override the property in Python (torch's own, Parameter, DTensor).
