@@ -211,16 +211,25 @@ def distributed_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def layout_of(grads: list[Tensor], params: list[Tensor] | None = None, process_group=None) -> Layout | None:
+def is_replicated(param) -> bool:
+    """Whether torchclip.distributed.set_replicated marked this parameter."""
+    return bool(getattr(param, REPLICATED_MARK, False))
+
+
+def layout_of(
+    grads: list[Tensor], params: list[Tensor] | None = None, process_group=None, aligned_pieces: bool = False
+) -> Layout | None:
     """The layout of a call's gradients, or None where the sharded route does not serve them: no DTensor
     and no process_group; placements other than Shard, Replicate and Partial (sum, avg, max, min); a mesh
-    without this rank; pieces the kernels do not serve (another device, a subclass, several devices)."""
+    without this rank; pieces the kernels do not serve (another device, a subclass, several devices).
+    aligned_pieces: plain gradients with process_group are pieces of the same gradients on every rank, in the
+    same order (global_norms' promise), so their per-tensor norms are defined."""
     dtensor_type = _dtensor_type()
     if dtensor_type is not None and any(type(g) is dtensor_type for g in grads):
         layout = _dtensor_layout(grads, dtensor_type, process_group)
     elif process_group is not None:
-        replicated = [bool(getattr(p, REPLICATED_MARK, False)) for p in (grads if params is None else params)]
-        layout = hand_layout(grads, replicated, process_group, aligned=False)
+        replicated = [is_replicated(p) for p in (grads if params is None else params)]
+        layout = hand_layout(grads, replicated, process_group, aligned_pieces)
     else:
         return None
     if layout is None or not _ops.kernels_serve(layout.local):

@@ -21,6 +21,7 @@ from torch import Tensor
 from torchclip import _ops, _sharded
 
 _REPLICATED = _sharded.REPLICATED_MARK
+is_replicated = _sharded.is_replicated  # (the route reads the mark where it builds a layout)
 
 
 def set_replicated(params: torch.nn.Module | Tensor | Iterable[Tensor], replicated: bool = True) -> int:
@@ -48,10 +49,6 @@ def set_replicated(params: torch.nn.Module | Tensor | Iterable[Tensor], replicat
     for p in params:
         setattr(p, _REPLICATED, bool(replicated))
     return len(params)
-
-
-def is_replicated(param) -> bool:
-    return bool(getattr(param, _REPLICATED, False))
 
 
 def global_norms(
@@ -83,8 +80,8 @@ def global_norms(
         (the total norm, each gradient's norm).
 
     Raises:
-        ValueError: without process_group, gradients that are not DTensors with Shard, Replicate or
-            Partial placements.
+        ValueError: gradients the sharded route does not take: without process_group, anything but DTensors
+            with Shard, Replicate or Partial placements.
 
     Example:
         >>> total, per_tensor = torchclip.distributed.global_norms(model.parameters())
@@ -93,14 +90,11 @@ def global_norms(
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
     params = [p for p in params if p.grad is not None]
     grads = [p.grad for p in params]
-    if process_group is not None and not any(type(g).__name__ == "DTensor" for g in grads):
-        layout = _sharded.hand_layout(grads, [is_replicated(p) for p in params], process_group, aligned=True)
-    else:
-        layout = _sharded.layout_of(grads, params, process_group)
-        if layout is None:
-            raise ValueError(
-                "parameters: without a process_group, global_norms takes DTensor gradients with "
-                "Shard, Replicate or Partial placements"
-            )
+    layout = _sharded.layout_of(grads, params, process_group, aligned_pieces=True)
+    if layout is None:
+        raise ValueError(
+            "parameters: global_norms takes DTensor gradients with Shard, Replicate or Partial placements, or "
+            "with a process_group, plain strided CPU or CUDA tensors on one device"
+        )
     with torch.no_grad():
         return layout.norms(float(norm_type), per_tensor=True, exact=_ops.exact_norms(exact))
