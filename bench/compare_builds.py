@@ -1,26 +1,46 @@
-"""Compare two builds of torchclip on the benchmark, on this machine, in one run.
+"""Compare two builds of torchclip on the benchmark, or exact norms against today's, with intervals that can see 5%.
 
-    python bench/compare_builds.py --baseline /path/to/main-checkout [--candidate .] [--pairs 3] \
-        [torchclip-bench options, e.g. --workload 10000x100 --workload gpt2_124m]
+    python bench/compare_builds.py --baseline /path/to/main-checkout [--candidate .] [--pairs 12] [--bar 1.05] \\
+        [torchclip-bench options, e.g. --workload 10000x100 --rounds 5]
+    python bench/compare_builds.py --exact [--candidate .] [--pairs 12] [--bar 1.05] [torchclip-bench options]
 
-Each build is a source tree with its extension built in place (`setup.py build_ext --inplace`). Two
-builds cannot share one process (both register torch.ops.torchclip), so the benchmark runs in a fresh
-process per build, the builds alternating (A B, B A, A B, ...) so that a machine slowing down or
-warming up weighs on both alike. Every run times torchclip against torch itself, interleaved, as
-torchclip-bench always does; the table gives, per row, each build's median torchclip time over the
-runs, and the median over the pairs of candidate / baseline. torch's own time per run shows how much
-the machine drifted.
+Each build is a source tree with its extension built in place (`setup.py build_ext --inplace`). Two builds cannot
+share one process (both register torch.ops.torchclip), and one process freezes one memory placement (which pages
+the gradients got, which cache sets they map to): rows moved 10-60% between runs of one build. So every run is a
+fresh process, and the builds alternate (A B, B A, A B, ...), so that a machine slowing down or warming up weighs
+on both alike. A pair gives each row one ratio, candidate / baseline (each the median of that run's interleaved
+rounds); the table gives the median ratio over the pairs and its 95% bootstrap interval
+(torchclip/bench/intervals.py).
+A row meets --bar when the interval's upper end is under it. With --exact there is no baseline: every run is
+`torchclip-bench --exact` of the candidate, and its ratio is exact norms over today's norms, timed interleaved in
+that process; the runs are the pairs.
+
+The interval says what the runs can resolve: twelve pairs whose ratios spread by +-10% give an interval about
++-4% wide around their median. torch's own time per run (min-max) shows how much the machine drifted.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+
+
+def _load_intervals():
+    """torchclip/bench/intervals.py by its path: importing the package would load a build's extension here."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torchclip", "bench", "intervals.py")
+    spec = importlib.util.spec_from_file_location("torchclip_bench_intervals", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ratio_interval = _load_intervals().ratio_interval
 
 
 def run_bench(tree: str, bench_args: list[str], out: str) -> list[dict]:
@@ -35,38 +55,68 @@ def key(row: dict) -> tuple:
     return row["workload"], row["op"], row["dtype"], row["threads"]
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--baseline", required=True, help="source tree of the baseline build")
-    parser.add_argument("--candidate", default=".", help="source tree of the candidate build (default: .)")
-    parser.add_argument("--pairs", type=int, default=3, help="baseline/candidate run pairs (default 3)")
-    args, bench_args = parser.parse_known_args(argv)
-    trees = {"baseline": os.path.abspath(args.baseline), "candidate": os.path.abspath(args.candidate)}
-    times: dict[str, dict[tuple, list[float]]] = {"baseline": {}, "candidate": {}}
-    torch_times: dict[tuple, list[float]] = {}
+def collect(args, bench_args, trees) -> tuple[dict, dict, dict]:
+    """Per row: the baseline's and the candidate's time of each pair, and torch's of every run."""
+    base: dict[tuple, list[float]] = {}
+    cand: dict[tuple, list[float]] = {}
+    torch_ms: dict[tuple, list[float]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         for pair in range(args.pairs):
-            order = ("baseline", "candidate") if pair % 2 == 0 else ("candidate", "baseline")
-            for build in order:
-                rows = run_bench(trees[build], bench_args, os.path.join(scratch, f"{build}-{pair}.json"))
+            if args.exact:
+                runs = [("candidate", [*bench_args, "--exact"])]
+            else:
+                order = ("baseline", "candidate") if pair % 2 == 0 else ("candidate", "baseline")
+                runs = [(build, bench_args) for build in order]
+            for build, build_args in runs:
+                rows = run_bench(trees[build], build_args, os.path.join(scratch, f"{build}-{pair}.json"))
                 for row in rows:
-                    times[build].setdefault(key(row), []).append(row["torchclip_ms"])
-                    torch_times.setdefault(key(row), []).append(row["torch_ms"])
-                print(f"pair {pair + 1}/{args.pairs}: {build} done", file=sys.stderr, flush=True)
-    print(f"baseline {trees['baseline']}\ncandidate {trees['candidate']}\n{args.pairs} pairs, medians\n")
+                    torch_ms.setdefault(key(row), []).append(row["torch_ms"])
+                    if args.exact:
+                        if row.get("exact_ms") is not None:
+                            base.setdefault(key(row), []).append(row["torchclip_ms"])
+                            cand.setdefault(key(row), []).append(row["exact_ms"])
+                    else:
+                        (base if build == "baseline" else cand).setdefault(key(row), []).append(row["torchclip_ms"])
+            print(f"pair {pair + 1}/{args.pairs} done", file=sys.stderr, flush=True)
+    return base, cand, torch_ms
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", help="source tree of the baseline build")
+    parser.add_argument("--candidate", default=".", help="source tree of the candidate build (default: .)")
+    parser.add_argument("--exact", action="store_true", help="exact norms against today's norms, in the candidate")
+    parser.add_argument("--pairs", type=int, default=12, help="run pairs (default 12); --exact: runs")
+    parser.add_argument("--bar", type=float, help="mark the rows whose interval's upper end is under this ratio")
+    args, bench_args = parser.parse_known_args(argv)
+    if args.exact == (args.baseline is not None):
+        parser.error("give --baseline TREE (two builds) or --exact (exact norms against today's), not both")
+    if args.pairs < 2:
+        parser.error("--pairs must be at least 2: an interval needs more than one ratio")
+    trees = {"candidate": os.path.abspath(args.candidate)}
+    if args.baseline is not None:
+        trees["baseline"] = os.path.abspath(args.baseline)
+    base, cand, torch_ms = collect(args, bench_args, trees)
+    what = "exact / today" if args.exact else "candidate / baseline"
+    where = f"candidate {trees['candidate']}" + ("" if args.exact else f"\nbaseline {trees['baseline']}")
     print(
-        "| workload | op | dtype | threads | baseline ms | candidate ms | candidate / baseline | torch ms (min-max) |"
+        f"{where}\n{args.pairs} {'runs' if args.exact else 'pairs'}; ratio: median of the per-pair {what}, 95% interval"
     )
-    print("|---|---|---|---|---:|---:|---:|---|")
-    for row_key in times["baseline"]:
-        base, cand = times["baseline"][row_key], times["candidate"].get(row_key)
-        if not cand:
+    print(f"(bootstrap over the pairs){'' if args.bar is None else f'; met: the interval under {args.bar}'}\n")
+    bar_column = "" if args.bar is None else " met |"
+    first, second = ("today ms", "exact ms") if args.exact else ("baseline ms", "candidate ms")
+    print(f"| workload | op | dtype | threads | {first} | {second} | {what} | 95% interval | torch ms |{bar_column}")
+    print("|---|---|---|---|---:|---:|---:|---|---|" + ("---|" if args.bar is not None else ""))
+    for row_key, b in base.items():
+        c = cand.get(row_key)
+        if not c or len(c) != len(b):
             continue
-        ratio = statistics.median(c / b for b, c in zip(base, cand))
-        torch_ms = torch_times[row_key]
+        median, low, high = ratio_interval(c, b)
+        met = "" if args.bar is None else (" yes |" if high < args.bar else " no |")
+        t = torch_ms[row_key]
         print(
-            f"| {' | '.join(str(k) for k in row_key)} | {statistics.median(base):.3f} | "
-            f"{statistics.median(cand):.3f} | {ratio:.3f} | {min(torch_ms):.1f}-{max(torch_ms):.1f} |"
+            f"| {' | '.join(str(k) for k in row_key)} | {statistics.median(b):.3f} | {statistics.median(c):.3f} | "
+            f"{median:.3f} | {low:.3f}-{high:.3f} | {min(t):.2f}-{max(t):.2f} |{met}"
         )
     return 0
 

@@ -71,4 +71,16 @@ inline const auto& adagrad_step_() {
   return op;
 }
 
+inline const auto& per_sample_norms() {
+  static const auto op =
+      find<std::tuple<at::Tensor, at::Tensor>(at::TensorList, at::IntArrayRef, double)>("torchclip::per_sample_norms");
+  return op;
+}
+
+inline const auto& per_sample_accumulate_() {
+  static const auto op = find<void(at::TensorList, at::IntArrayRef, const at::Tensor&, at::TensorList, at::TensorList,
+      bool, double, int64_t, double)>("torchclip::per_sample_accumulate_");
+  return op;
+}
+
 }  // namespace torchclip::op_handles

@@ -68,6 +68,16 @@ TORCH_LIBRARY(torchclip, m) {
       "adagrad_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state_sums, Tensor(c!)[] state_steps, *, "
       "float lr, float lr_decay, float weight_decay, float eps, bool maximize, Tensor? grad_scale=None, "
       "Tensor? found_inf=None) -> Tensor");
+  // Per-sample clipping (DP-SGD, torchclip.per_sample). grad_samples: every parameter's per-sample gradients,
+  // pieces[j] consecutive tensors [b_k, *shape] for parameter j whose batches concatenate (read where they
+  // lie). Returns each sample's `ord`-norm over all parameters [B] and over each parameter [B, P], float64.
+  m.def("per_sample_norms(Tensor[] grad_samples, int[] pieces, float ord) -> (Tensor total, Tensor per_tensor)");
+  // summed[j] = sum over samples b of factors[j or 0, b] * sample b's gradient of parameter j (plus summed[j]
+  // with accumulate), in summed[j]'s dtype; grads (empty or one per parameter) = (summed + noise_std * a
+  // standard normal) / divisor, the normals a function of (seed, j, element) alone. factors: float64 [1 or P, B].
+  m.def(
+      "per_sample_accumulate_(Tensor[] grad_samples, int[] pieces, Tensor factors, Tensor(a!)[] summed, "
+      "Tensor(b!)[] grads, *, bool accumulate, float noise_std=0., int seed=0, float divisor=1.) -> ()");
 }
 
 // Lazily negated or conjugated views reach the kernels as they are: the kernels send every such view
@@ -75,8 +85,9 @@ TORCH_LIBRARY(torchclip, m) {
 // would copy them first, and refuse them outright in a mutable list, where torch.nn.utils does not.
 namespace {
 void fall_through_every_op(torch::Library& m) {
-  for (const char* op : {"multi_tensor_norm", "multi_tensor_scale_", "multi_tensor_clamp_", "clip_grad_norm_",
-           "clip_by_tensor_norm_", "unitwise_clip_", "adam_step_", "sgd_step_", "adagrad_step_"}) {
+  for (const char* op :
+      {"multi_tensor_norm", "multi_tensor_scale_", "multi_tensor_clamp_", "clip_grad_norm_", "clip_by_tensor_norm_",
+          "unitwise_clip_", "adam_step_", "sgd_step_", "adagrad_step_", "per_sample_norms", "per_sample_accumulate_"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

@@ -118,6 +118,7 @@ void for_each_writing_op(const Visit& visit) {
   visit("adam_step_", Writes<op_handles::adam_step_, 0, 2, 3, 4, 5>{});
   visit("sgd_step_", Writes<op_handles::sgd_step_, 0, 2>{});                // params, momentum_buffers
   visit("adagrad_step_", Writes<op_handles::adagrad_step_, 0, 2, 3>{});  // params, state_sums, state_steps
+  visit("per_sample_accumulate_", Writes<op_handles::per_sample_accumulate_, 3, 4>{});  // summed, grads
 }
 
 }  // namespace
@@ -129,6 +130,7 @@ TORCH_LIBRARY_IMPL(torchclip, ADInplaceOrView, m) {
 TORCH_LIBRARY_IMPL(torchclip, Autograd, m) {
   // Reads only, and its outputs carry no gradient history: nothing for autograd to do.
   m.impl("multi_tensor_norm", torch::CppFunction::makeFallthrough());
+  m.impl("per_sample_norms", torch::CppFunction::makeFallthrough());
   for_each_writing_op([&](const char* name, auto kernels) { m.impl(name, &decltype(kernels)::autograd); });
 }
 

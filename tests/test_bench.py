@@ -3,6 +3,7 @@
 import importlib.util
 import itertools
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -137,6 +138,9 @@ def test_exact_rows_time_the_exact_norms_beside_todays(tmp_path):
     assert "exact ms" in result.stdout and "exact x" in result.stdout
     for row in json.loads(out.read_text())["rows"]:
         assert (row["exact_ms"] is not None) == (row["op"] in bench.NORM_OPS), row["op"]
+        if row["exact_ms"] is not None:
+            median, low, high = row["exact_ratio"]
+            assert 0 < low <= median <= high
     calls = []
     exact_call = bench.with_exact_norms(lambda: calls.append(torchclip.get_exact_norm()))
     exact_call()
@@ -218,6 +222,9 @@ def test_every_shipped_workload_loads():
         (["--grads", "flat"], "invalid choice: 'flat'"),
         (["--model", "torch.nn"], "expected module:callable"),
         (["--model", "no_such_module:f"], "cannot import it"),
+        (["--op", "clip"], "--op 'clip': unknown; choose from"),
+        (["--per-sample", "--workload", "gpt2_124m"], "--per-sample --workload 'gpt2_124m': unknown"),
+        (["--per-sample", "--batch", "0"], "--batch '0': expected a comma list of positive integers"),
         pytest.param(
             ["--device", "cuda"],
             "--device cuda: torch sees no CUDA device here",
@@ -367,6 +374,81 @@ def test_adaptive_mode_rows(tmp_path):
     installed = {"ClipGradByZScore": "zclip", "ClipGradByQuantile (global)": "autoclip"}
     for r in rows[:2]:
         assert (r["reference_ms"] > 0) == (importlib.util.find_spec(installed[r["clip"]]) is not None)
+
+
+def test_per_sample_mode_rows(tmp_path):
+    """--per-sample: torchclip's two passes with and without noise, and Opacus's DPOptimizer where it is
+    installed, in reads of the per-sample gradients."""
+    out = tmp_path / "per_sample.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchclip.bench",
+            "--per-sample",
+            "--quick",
+            "--rounds",
+            "2",
+            "--batch",
+            "4",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())["per_sample_rows"]
+    assert [(r["workload"], r["dtype"], r["batch"]) for r in rows] == [
+        ("resnet20", "float32", 4),
+        ("resnet20", "bfloat16", 4),
+    ]
+    opacus_installed = importlib.util.find_spec("opacus") is not None
+    for r in rows:
+        assert r["read_ms"] > 0 and r["torchclip_reads"] > 0 and r["torchclip_noise_reads"] > 0
+        assert (r["opacus_noise_reads"] is not None) == opacus_installed
+
+
+def test_ratio_interval_brackets_the_median_and_narrows_with_more_pairs():
+    from torchclip.bench.intervals import ratio_interval
+
+    noisy = [1.0 + 0.1 * ((7 * i) % 11 - 5) / 5 for i in range(12)]  # ratios spread +-10% around 1
+    median, low, high = ratio_interval(noisy, [1.0] * 12)
+    assert low <= median <= high and high - low < 0.15
+    _, low48, high48 = ratio_interval(noisy * 4, [1.0] * 48)
+    assert high48 - low48 < high - low
+    assert ratio_interval([2.0, 4.0], [1.0, 2.0]) == (2.0, 2.0, 2.0)  # paired: each ratio is 2
+
+
+def test_compare_builds_exact_prints_an_interval_per_row():
+    root = pathlib.Path(__file__).resolve().parent.parent
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(root / "bench" / "compare_builds.py"),
+            "--exact",
+            "--pairs",
+            "2",
+            "--bar",
+            "100",
+            "--quick",
+            "--workload",
+            "10000x100",
+            "--rounds",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| 10000x100 |")]
+    assert rows and all(line.rstrip().endswith("| yes |") for line in rows), result.stdout
+    for line in rows:
+        low, high = (float(x) for x in line.split("|")[8].split("-"))
+        assert 0 < low <= float(line.split("|")[7]) <= high
 
 
 def test_step_mode_refuses_an_unknown_optimizer():

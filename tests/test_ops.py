@@ -121,6 +121,36 @@ OPCHECK_CASES = {
             adagrad_step_arguments(),
         ),
     ),
+    "per_sample_norms": lambda: (
+        ([make_tensor((4, 3, 5), torch.float32, 1), make_tensor((4, 7), torch.bfloat16, 2)], [1, 1], 2.0),
+        (
+            [
+                make_tensor((3, 2), torch.float64, 1),
+                make_tensor((1, 2), torch.float64, 2),
+                make_tensor((4,), torch.float16, 3),
+            ],
+            [2, 1],
+            1.0,
+        ),
+    ),
+    "per_sample_accumulate_": lambda: (
+        (
+            [make_tensor((4, 3, 5), torch.float32, 1), make_tensor((4, 7), torch.bfloat16, 2)],
+            [1, 1],
+            torch.rand(1, 4, dtype=torch.float64),
+            [torch.zeros(3, 5), torch.zeros(7)],
+            [torch.zeros(3, 5), torch.zeros(7)],
+            {"accumulate": True, "noise_std": 0.5, "seed": 3, "divisor": 4.0},
+        ),
+        (
+            [make_tensor((2, 6), torch.float64, 1), make_tensor((1, 6), torch.float64, 2)],
+            [2],
+            torch.rand(1, 3, dtype=torch.float64),
+            [torch.zeros(6, dtype=torch.float64)],
+            [],
+            {"accumulate": False},
+        ),
+    ),
 }
 
 
@@ -277,6 +307,20 @@ NEG_CONJ_CASES = {
     "adam_step_": _adam_lists,
     "sgd_step_": _sgd_lists,
     "adagrad_step_": _adagrad_lists,
+    "per_sample_norms": lambda kind: (
+        ([_viewed(kind, (4, 3), 1), make_tensor((4, 5), torch.float32, 2)], [1, 1], 2.0),
+        {},
+    ),
+    "per_sample_accumulate_": lambda kind: (
+        (
+            [_viewed(kind, (4, 3), 1), make_tensor((4, 5), torch.float32, 2)],
+            [1, 1],
+            torch.rand(2, 4, dtype=torch.float64),
+            [torch.zeros(3), torch.zeros(5)],
+            [],
+        ),
+        {"accumulate": False},
+    ),
 }
 
 

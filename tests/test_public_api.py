@@ -8,7 +8,7 @@ import re
 import torchclip
 
 REFERENCE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "reference.md"
-_SUBMODULES_IMPORTED_ON_USE = {"distributed", "bench", "clip"}  # named there as torchclip.<module>.x
+_SUBMODULES_IMPORTED_ON_USE = {"distributed", "bench", "clip", "per_sample"}  # named there as torchclip.<module>.x
 
 
 def _documented_names() -> set[str]:

@@ -86,6 +86,8 @@ CUDA_OPS = (
     "multi_tensor_clamp_",
     "clip_grad_norm_",
     "clip_by_tensor_norm_",
+    "per_sample_norms",
+    "per_sample_accumulate_",
 )
 
 

@@ -460,6 +460,57 @@ def _adagrad_step_fake(params, grads, state_sums, state_steps, **hyperparameters
     return _stepped_fake(params)
 
 
+def per_sample_norms(
+    grad_samples: Sequence[torch.Tensor], pieces: Sequence[int], ord: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's norm over all parameters [B] and over each parameter [B, P] (float64); parameter j's
+    per-sample gradients are pieces[j] consecutive tensors of grad_samples, batches concatenated."""
+    return _ops.per_sample_norms(grad_samples, pieces, float(ord))
+
+
+def _sample_count(grad_samples, pieces) -> int:
+    return sum(t.shape[0] for t in grad_samples[: pieces[0]]) if pieces else 0
+
+
+@torch.library.register_fake("torchclip::per_sample_norms")
+def _per_sample_norms_fake(grad_samples, pieces, ord):
+    batch = _sample_count(grad_samples, pieces)
+    like = grad_samples[0] if grad_samples else torch.empty(0, device="meta")
+    return like.new_empty((batch,), dtype=torch.float64), like.new_empty((batch, len(pieces)), dtype=torch.float64)
+
+
+def per_sample_accumulate_(
+    grad_samples: Sequence[torch.Tensor],
+    pieces: Sequence[int],
+    factors: torch.Tensor,
+    summed: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    *,
+    accumulate: bool,
+    noise_std: float = 0.0,
+    seed: int = 0,
+    divisor: float = 1.0,
+) -> None:
+    """summed[j] (+)= the factor-weighted sum of parameter j's per-sample gradients; grads[j] = (summed[j] +
+    noise_std * normals from seed) / divisor where grads is given (one pass over the per-sample gradients)."""
+    _ops.per_sample_accumulate_(
+        grad_samples,
+        pieces,
+        factors,
+        summed,
+        grads,
+        accumulate=accumulate,
+        noise_std=float(noise_std),
+        seed=int(seed),
+        divisor=float(divisor),
+    )
+
+
+@torch.library.register_fake("torchclip::per_sample_accumulate_")
+def _per_sample_accumulate_fake(grad_samples, pieces, factors, summed, grads, **arguments):
+    return None
+
+
 # The devices whose kernels were built: the CPU always, CUDA when torchclip._cuda was (setup.py).
 KERNEL_DEVICES = ("cpu", "cuda") if _C.cuda_built() else ("cpu",)
 

@@ -19,6 +19,7 @@ extern "C" __attribute__((visibility("default"))) const torchclip::cpu::KernelTa
       &torchclip::cpu::adam_step,
       &torchclip::cpu::sgd_step,
       &torchclip::cpu::adagrad_step,
+      &torchclip::cpu::per_sample_accumulate,
   };
   return &table;
 }

@@ -10,13 +10,13 @@
 #include <cstdint>
 
 #include "exact_sum.h"     // ExactSum: the exact norms' accumulator
-#include "kernel_types.h"  // DType, NormKind, NormOrder: shared with the CUDA kernels
+#include "kernel_types.h"  // DType, NormKind, NormOrder, PerSampleParam/Step: shared with the CUDA kernels
 
 namespace torchclip::cpu {
 
 // Bumped whenever a struct below changes layout or a kernel's contract, so a stale kernel library is
 // refused, not misread.
-constexpr int32_t kKernelAbiVersion = 6;
+constexpr int32_t kKernelAbiVersion = 7;
 
 // A dense, non-overlapping run of `numel` elements: either a contiguous tensor or any tensor whose
 // strides are a permutation of contiguous ones. Element order does not matter to any kernel here
@@ -96,6 +96,13 @@ struct KernelTable {
   // count, already counted up), the gradients only read as adam_step's.
   void (*adagrad_step)(const TensorSpan* params, const TensorSpan* grads, const TensorSpan* state_sums,
       const double* steps, int64_t count, const AdagradStep* hyper);
+
+  // Per-sample clipping's second pass (DP-SGD): for each parameter, summed = sum over b of factors[b] *
+  // rows[b] (accumulated in float32, float64 for Float64, in sample order; plus summed's old value with
+  // accumulate, added last), and where grad is given, grad = (summed as stored + noise_std * normal) /
+  // divisor. With no rows and accumulate, summed is only read (grad = its noisy copy; -0.0 stays -0.0).
+  // Each element is computed by one thread in a fixed order, so the results do not depend on the thread count.
+  void (*per_sample_accumulate)(const PerSampleParam* params, int64_t count, const PerSampleStep* step);
 };
 
 }  // namespace torchclip::cpu

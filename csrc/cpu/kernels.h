@@ -20,5 +20,6 @@ void sgd_step(const TensorSpan* params, const TensorSpan* grads, const TensorSpa
     const SgdStep* hyper);
 void adagrad_step(const TensorSpan* params, const TensorSpan* grads, const TensorSpan* state_sums, const double* steps,
     int64_t count, const AdagradStep* hyper);
+void per_sample_accumulate(const PerSampleParam* params, int64_t count, const PerSampleStep* step);
 
 }  // namespace torchclip::cpu

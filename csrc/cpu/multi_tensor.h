@@ -1,10 +1,12 @@
-// The multi-tensor walk shared by every CPU kernel: many tensors, cut into pieces and chunks, spread
-// over torch's intra-op threads by element count (not by tensor count), so 10,000 tiny tensors and
-// one huge tensor both keep every core busy.
+// The multi-tensor walk shared by every CPU kernel: many tensors, cut into pieces and chunks of about
+// equal element counts (not tensor counts), handed to torch's intra-op threads one chunk at a time, so
+// 10,000 tiny tensors and one huge tensor both keep every core busy, and a core another process shares
+// takes fewer chunks.
 //
 // Determinism: piece and chunk boundaries depend only on the tensor sizes, never on the thread count,
 // and each piece's partial result lands in its own slot; reductions then combine the slots in piece
-// order. The same inputs give bit-identical norms whatever torch.set_num_threads() says.
+// order. The same inputs give bit-identical norms whatever torch.set_num_threads() says, and whichever
+// thread happened to take which chunk.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -12,6 +14,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -53,7 +56,6 @@ struct Chunk {
 
 struct ChunkPlan {
   std::vector<Chunk> chunks;
-  std::vector<int64_t> first_element;  // chunks[i] starts at this offset of the concatenated data
   int64_t total_elements = 0;
   int64_t pieces = 0;
 };
@@ -67,28 +69,24 @@ inline ChunkPlan plan_chunks(const TensorSpan* spans, int64_t count) {
   int64_t chunk = std::max(kMinChunkElements, (total + kMaxBigChunks - 1) / kMaxBigChunks);
   chunk = (chunk + 63) / 64 * 64;
   // The run of whole small tensors being gathered into one chunk.
-  int64_t run_start = -1, run_offset = 0, run_elements = 0, run_first_piece = 0;
+  int64_t run_start = -1, run_elements = 0, run_first_piece = 0;
   auto close_run = [&](int64_t end_tensor) {
     if (run_start >= 0) {
       const bool single = end_tensor - run_start == 1;
       plan.chunks.push_back({run_start, end_tensor, 0, single ? spans[run_start].numel : 0, run_first_piece});
-      plan.first_element.push_back(run_offset);
       run_start = -1;
     }
   };
-  int64_t offset = 0;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t n = spans[i].numel;
     if (n > chunk) {
       close_run(i);
       for (int64_t b = 0; b < n; b += chunk) {
         plan.chunks.push_back({i, i + 1, b, std::min(n, b + chunk), plan.pieces++});
-        plan.first_element.push_back(offset + b);
       }
     } else if (n > 0) {
       if (run_start < 0) {
         run_start = i;
-        run_offset = offset;
         run_elements = 0;
         run_first_piece = plan.pieces;
       }
@@ -98,7 +96,6 @@ inline ChunkPlan plan_chunks(const TensorSpan* spans, int64_t count) {
         close_run(i + 1);
       }
     }
-    offset += n;
   }
   close_run(count);
   plan.total_elements = total;
@@ -129,30 +126,37 @@ inline void for_each_piece(const ChunkPlan& plan, const TensorSpan* spans, F&& f
   }
 }
 
-// Calls visit(piece) exactly once per piece, from torch's intra-op thread pool. Each thread gets a
-// contiguous run of chunks holding about total/threads elements.
+// Calls work(i) once for each i in [0, count): on this thread alone when threads <= 1 (or inside a parallel
+// region), else on `threads` of torch's intra-op threads, each taking the next i from a shared counter when it
+// has finished one. A static split (thread t takes the t-th share) made every call wait for its slowest thread,
+// and a thread is slow whenever another process shares its core (a data loader's worker beside training);
+// taken one at a time, the items go to whichever thread is running. Nothing may depend on which thread ran an
+// item: each item's result has its own slot, combined in item order (or, for exact sums, in any order).
+template <typename Work>
+inline void parallel_for_each_item(int64_t count, int64_t threads, const Work& work) {
+  if (threads <= 1 || count <= 1 || at::in_parallel_region()) {
+    for (int64_t i = 0; i < count; ++i) {
+      work(i);
+    }
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, count), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < count;
+        i = next.fetch_add(1, std::memory_order_relaxed)) {
+      work(i);
+    }
+  });
+}
+
+// Calls visit(piece) exactly once per piece, from torch's intra-op thread pool, chunk by chunk
+// (parallel_for_each_item): threads when there are at least kMinElementsPerThread elements for each.
 template <typename Visit>
 inline void parallel_for_pieces(const ChunkPlan& plan, const TensorSpan* spans, const Visit& visit) {
   const int64_t num_chunks = static_cast<int64_t>(plan.chunks.size());
   const int64_t threads =
       std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, plan.total_elements / kMinElementsPerThread));
-  if (threads <= 1 || num_chunks <= 1 || at::in_parallel_region()) {
-    for_each_piece(plan, spans, visit);
-    return;
-  }
-  auto first_chunk_of = [&](int64_t t) -> int64_t {
-    // The first chunk that starts at or after thread t's share of the elements.
-    const int64_t start = plan.total_elements / threads * t + std::min(t, plan.total_elements % threads);
-    return std::lower_bound(plan.first_element.begin(), plan.first_element.end(), start) - plan.first_element.begin();
-  };
-  at::parallel_for(0, threads, 1, [&](int64_t t_begin, int64_t t_end) {
-    for (int64_t t = t_begin; t < t_end; ++t) {
-      const int64_t last = t + 1 == threads ? num_chunks : first_chunk_of(t + 1);
-      for (int64_t c = first_chunk_of(t); c < last; ++c) {
-        for_each_piece_of_chunk(plan, spans, c, visit);
-      }
-    }
-  });
+  parallel_for_each_item(num_chunks, threads, [&](int64_t c) { for_each_piece_of_chunk(plan, spans, c, visit); });
 }
 
 // Typed dispatch over the four storage types; `f` is called with a null pointer of the element type.

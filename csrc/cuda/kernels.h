@@ -11,7 +11,7 @@
 
 #include <cstdint>
 
-#include "kernel_types.h"  // DType, NormKind, NormOrder: the same vocabulary as the CPU kernels
+#include "kernel_types.h"  // DType, NormKind, NormOrder, PerSampleParam: the same vocabulary as the CPU kernels
 
 namespace torchclip::cuda {
 
@@ -76,5 +76,11 @@ void scale(const DeviceSpan* spans, int64_t count, const double* scales, int64_t
 // spans[k] = min(max(spans[k], lo), hi) in one read-write pass; NaN elements stay NaN, a NaN bound
 // makes every element NaN (torch's clamp_min_ then clamp_max_).
 void clamp(const DeviceSpan* spans, int64_t count, double lo, double hi, cudaStream_t stream);
+
+// Per-sample clipping's second pass (cpu/per_sample_kernel.cpp's contract, the same normals): `params` is a
+// device array of `count` entries whose rows and factors are device arrays too; max_numel is the largest
+// parameter's element count.
+void per_sample_accumulate(const PerSampleParam* params, int64_t count, int64_t max_numel, const PerSampleStep& step,
+    cudaStream_t stream);
 
 }  // namespace torchclip::cuda

@@ -34,14 +34,16 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
 import torch
 
 import torchclip
-from torchclip.bench import adaptive, report, step, training, workloads
+from torchclip.bench import adaptive, per_sample, report, step, training, workloads
 from torchclip.bench.clip_rows import NORM_OPS, OPS, candidates_for
+from torchclip.bench.intervals import ratio_interval
 from torchclip.bench.timing import Grads, balanced_orders, format_columns, interleave, no_sync, timed  # noqa: F401
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -67,6 +69,8 @@ class Row:
     spread: float
     device: str = "cpu"
     exact_ms: float | None = None  # torchclip with exact norms (--exact), on the rows that take a norm
+    # exact / torchclip: the median of the rounds' paired ratios and its 95% bootstrap interval (intervals.py)
+    exact_ratio: tuple[float, float, float] | None = None
 
 
 def run(
@@ -98,7 +102,8 @@ def run(
             with_exact = exact and op in NORM_OPS
             if with_exact:
                 timed_fns.append(with_exact_norms(c.torchclip))
-            timings = interleave(timed_fns, rounds, warmup, c.prepare, sync)
+            samples = []
+            timings = interleave(timed_fns, rounds, warmup, c.prepare, sync, samples_out=samples)
             t_torch, t_no_foreach, t_clip, t_bound = (median for median, _ in timings[:4])
             bytes_moved = g.flat.numel() * g.flat.element_size() * c.passes
             rows.append(
@@ -119,12 +124,18 @@ def run(
                     max(s for _, s in timings),
                     device,
                     timings[4][0] if with_exact else None,
+                    ratio_interval(samples[4], samples[2]) if with_exact else None,
                 )
             )
             g.reset()
         del g
     progress(total_steps, total_steps, None)
     return rows
+
+
+def _ratio_text(ratio) -> str:
+    median, low, high = ratio
+    return f"{median:.2f} ({low:.2f}-{high:.2f})"
 
 
 def with_exact_norms(call):
@@ -155,7 +166,7 @@ def format_table(rows) -> str:
         "x bound",
         "GB/s",
         "spread",
-    ] + (["exact ms", "exact x"] if exact else [])
+    ] + (["exact ms", "exact x (95%)"] if exact else [])
     return format_columns(
         header,
         [
@@ -174,7 +185,7 @@ def format_table(rows) -> str:
                 f"{100 * r.spread:.0f}%",
             ]
             + (
-                ([f"{r.exact_ms:.3f}", f"{r.exact_ms / r.torchclip_ms:.2f}"] if r.exact_ms is not None else ["-", "-"])
+                ([f"{r.exact_ms:.3f}", _ratio_text(r.exact_ratio)] if r.exact_ms is not None else ["-", "-"])
                 if exact
                 else []
             )
@@ -274,7 +285,32 @@ def parse_args(argv):
         "--exact",
         action="store_true",
         help="also time torchclip with exact norms (torchclip.set_exact_norm) on the rows that take a norm: "
-        "columns exact ms and exact x (exact ms / torchclip ms)",
+        "columns exact ms and exact x (exact / torchclip: the median of the rounds' paired ratios and its 95% "
+        "interval; across processes: bench/compare_builds.py --exact)",
+    )
+    parser.add_argument(
+        "--per-sample",
+        action="store_true",
+        help="instead of the clip rows, DP-SGD's per-sample clipping (torchclip.per_sample) against Opacus's "
+        f"DPOptimizer, in reads of the per-sample gradients (workloads: {', '.join(per_sample.WORKLOADS)}; "
+        "default dtypes float32 and bfloat16)",
+    )
+    parser.add_argument(
+        "--batch",
+        default=",".join(map(str, per_sample.DEFAULT_BATCHES)),
+        help="--per-sample: comma list of batch sizes (default %(default)s)",
+    )
+    parser.add_argument(
+        "--op",
+        action="append",
+        metavar="OP",
+        help=f"time only this row's op (repeatable; default all: {', '.join(OPS)})",
+    )
+    parser.add_argument(
+        "--busy",
+        action="store_true",
+        help="a busy neighbour: another process spins on one core for the whole run, as a data loader's worker "
+        "does beside training (compare --threads 1,2: no row should be slower on 2 threads than on 1)",
     )
     parser.add_argument("--quick", action="store_true", help="small workloads, few rounds: seconds, for CI")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -295,6 +331,9 @@ def parse_args(argv):
             raise ValueError
     except ValueError:
         parser.error(f"--ranks {args.ranks!r}: expected a comma list of positive integers")
+    for op in args.op or []:
+        if op not in OPS:
+            parser.error(f"--op {op!r}: unknown; choose from {', '.join(OPS)}")
     for d in args.dtype or []:
         if d not in DTYPES:
             parser.error(f"--dtype {d!r}: unknown; choose from {', '.join(DTYPES)}")
@@ -312,7 +351,20 @@ def parse_args(argv):
         parser.error("--device cuda: torchclip was built without its CUDA kernels (TORCHCLIP_CUDA=1)")
     if args.training and args.device == "cuda" and args.rank_counts != [1]:
         parser.error(f"--ranks {args.ranks} with --device cuda: the training rows run DDP on the CPU only")
+    try:
+        args.batches = [int(b) for b in args.batch.split(",")]
+        if any(b < 1 for b in args.batches):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--batch {args.batch!r}: expected a comma list of positive integers")
     args.workload = (args.workload or []) + [f"model:{m}" for m in args.model or []]
+    if args.per_sample:
+        for w in args.workload:
+            if w not in per_sample.WORKLOADS:
+                parser.error(f"--per-sample --workload {w!r}: unknown; choose from {', '.join(per_sample.WORKLOADS)}")
+        if args.device != "cpu":
+            parser.error("--per-sample times the CPU kernels (--device cpu)")
+        return args
     for w in args.workload:
         try:
             workloads.resolve(w)
@@ -323,18 +375,32 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.busy:
+        # The neighbour: a process that only spins, for as long as the benchmark runs.
+        neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            return _main(args, argv)
+        finally:
+            neighbour.kill()
+            neighbour.wait()
+    return _main(args, argv)
+
+
+def _main(args, argv) -> int:
     args.argv = argv if argv is not None else sys.argv[1:]  # the command a results page names
     rounds = args.rounds or (5 if args.quick else 15)
     if args.step or args.training:
         return main_step(args, rounds)
     if args.adaptive:
         return main_adaptive(args, rounds)
+    if args.per_sample:
+        return main_per_sample(args, rounds)
     names = args.workload or (QUICK_WORKLOADS if args.quick else DEFAULT_WORKLOADS)
     rows = run(
         names,
         args.dtype or ["float32"],
         args.thread_counts,
-        OPS,
+        [op for op in OPS if op in (args.op or OPS)],
         rounds,
         warmup=1 if args.quick else 2,
         progress=make_progress(sys.stderr.isatty()),
@@ -352,7 +418,7 @@ def main(argv=None) -> int:
         f"torchclip {torchclip.__version__} ({where}), "
         f"torch {torch.__version__}, {os.cpu_count()} CPUs; medians of {rounds} interleaved rounds; "
         f"gradients: {'separate allocations' if args.grads == 'separate' else 'views of one buffer'}; "
-        f"parameters passed as a {args.params}"
+        f"parameters passed as a {args.params}" + ("; a busy neighbour spinning on one core" if args.busy else "")
     )
     table = format_table(rows)
     print(header)
@@ -459,6 +525,41 @@ def main_adaptive(args, rounds) -> int:
                 f,
                 indent=1,
             )
+    return 0
+
+
+def main_per_sample(args, rounds) -> int:
+    """--per-sample: torchclip.per_sample against Opacus's DPOptimizer (torchclip/bench/per_sample.py)."""
+    names = args.workload or (["resnet20"] if args.quick else list(per_sample.WORKLOADS))
+    batches = args.batches if not args.quick else args.batches[:1]
+    rows = per_sample.run(
+        names,
+        args.dtype or ["float32", "bfloat16"],
+        batches,
+        args.thread_counts,
+        rounds,
+        warmup=1 if args.quick else 2,
+        progress=make_progress(sys.stderr.isatty()),
+    )
+    header = (
+        f"torchclip {torchclip.__version__} (CPU kernels: {torchclip.get_cpu_capability()}), torch {torch.__version__}, "
+        f"{os.cpu_count()} CPUs; medians of {rounds} interleaved rounds, in reads of the per-sample gradients (one "
+        f"read: torch's sum over their bytes); torchclip = per-sample norms + clip_and_accumulate_, + noise = with "
+        f"noise and the division by the batch size; Opacus = DPOptimizer.clip_and_accumulate (+ add_noise + "
+        f"scale_grad); x faster = Opacus + noise / torchclip + noise"
+    )
+    print(header)
+    table = per_sample.format_table(rows)
+    print(table)
+    if args.markdown:
+        command = "torchclip-bench " + " ".join(args.argv)
+        with open(args.markdown, "w") as f:
+            f.write(
+                f"# Per-sample clipping (DP-SGD) against Opacus\n\n{header}\n\n```\n{command}\n```\n\n```\n{table}\n```\n"
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "per_sample_rows": [asdict(r) for r in rows]}, f, indent=1)
     return 0
 
 

@@ -99,7 +99,8 @@ def markdown_page(rows, table: str, header: str, command: str, plot_path: str | 
     if any(getattr(r, "exact_ms", None) is not None for r in rows):
         lines[-1:-1] = [
             "exact ms is torchclip's call with exact norms (`exact=True`), timed in the same rounds; exact x =",
-            "exact ms / torchclip ms.",
+            "exact / torchclip, the median of the rounds' paired ratios and its 95% bootstrap interval (one process;",
+            "bench/compare_builds.py --exact gives the interval over fresh processes).",
         ]
     if plot_path:
         lines += [f"![speed-up and fraction of the bound]({os.path.basename(plot_path)})", ""]

@@ -99,9 +99,10 @@ def balanced_orders(n):
     return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
 
 
-def interleave(candidates, rounds, warmup, prepare=None, sync=no_sync):
+def interleave(candidates, rounds, warmup, prepare=None, sync=no_sync, samples_out=None):
     """Medians and spreads (IQR / median) of each candidate, run in balanced_orders(), one order per
-    round in turn; prepare() runs untimed before each call."""
+    round in turn; prepare() runs untimed before each call. samples_out, where given, receives each
+    candidate's times in round order (round r of two candidates ran close together: pair them)."""
     for _ in range(warmup):
         for fn in candidates:
             timed(fn, prepare, sync)
@@ -110,9 +111,11 @@ def interleave(candidates, rounds, warmup, prepare=None, sync=no_sync):
     for r in range(rounds):
         for i in orders[r % len(orders)]:
             samples[i].append(timed(candidates[i], prepare, sync))
+    if samples_out is not None:
+        samples_out.extend(list(s) for s in samples)
     out = []
     for s in samples:
-        s.sort()
+        s = sorted(s)
         median = statistics.median(s)
         q1, q3 = s[len(s) // 4], s[(3 * len(s)) // 4]
         out.append((median, (q3 - q1) / median if median > 0 else 0.0))
