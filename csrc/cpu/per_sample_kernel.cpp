@@ -3,9 +3,10 @@
 // gradient once in its own dtype (no cast copy, where Opacus casts all of them to the parameter's dtype
 // first), with the noise and the division by the expected batch size folded into the same pass.
 //
-// Work is cut into units of one parameter's elements [begin, begin + kUnit): a unit's running sums stay in
-// L1 while the B rows' segments stream through, and each element is summed by one thread in sample order,
-// so the result is the same on any thread count.
+// Work is cut into units of one parameter's elements [begin, begin + kUnit), taken by threads one at a time;
+// a unit is summed strip by strip, each strip's sums held in registers while the B rows' segments stream
+// through, and each element is summed by one thread in sample order, so the result is the same on any thread
+// count.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -18,9 +19,9 @@
 namespace torchclip::cpu {
 namespace {
 
-// 2,048 elements: 8 KiB of float32 sums (16 KiB float64) that stay in L1 beside the rows' segments, each
-// segment 4-8 KiB long (a page or two: what a hardware prefetcher follows), and a multiple of the noise
-// group, so every unit's noise starts at a group.
+// 2,048 elements: its float32 sums (8 KiB; 16 KiB of float64) and noise stay in L1, each row's segment is 4-8
+// KiB long (a page or two: what a hardware prefetcher follows), and a multiple of the noise group, so every
+// unit's noise starts at a group.
 constexpr int64_t kUnit = 2048;
 static_assert(kUnit % kNoiseGroup == 0, "units start at a noise group");
 

@@ -64,7 +64,9 @@ def _norms_float64(tensors: list[Tensor], pieces: list[int], norm_type: float) -
     return torch.linalg.vector_norm(per_tensor, norm_type, dim=1), per_tensor
 
 
-def per_sample_norms(grad_samples, norm_type: float = 2.0, *, per_tensor: bool = False):
+def per_sample_norms(
+    grad_samples: Sequence[Tensor | Sequence[Tensor]], norm_type: float = 2.0, *, per_tensor: bool = False
+) -> Tensor | tuple[Tensor, Tensor]:
     """Each sample's gradient norm over all parameters, in one pass over the per-sample gradients.
 
     Args:
@@ -76,7 +78,7 @@ def per_sample_norms(grad_samples, norm_type: float = 2.0, *, per_tensor: bool =
 
     Returns:
         The B norms (float32, or float64 when a gradient is float64; accumulated in float64), or with
-        ``per_tensor`` the pair (norms [B], per-parameter norms [B, P]).
+            ``per_tensor`` the pair (norms [B], per-parameter norms [B, P]).
     """
     tensors, pieces = _pieces_of(grad_samples, "grad_samples")
     norm_type = _number("norm_type", norm_type)
@@ -87,7 +89,7 @@ def per_sample_norms(grad_samples, norm_type: float = 2.0, *, per_tensor: bool =
     return total.to(dtype)
 
 
-def clip_factors(norms: Tensor, max_norm, clip: str = "abadi", gamma: float = 0.01) -> Tensor:
+def clip_factors(norms: Tensor, max_norm: float | Sequence[float], clip: str = "abadi", gamma: float = 0.01) -> Tensor:
     """The per-sample clip factors (float64) of norms [B] (or [B, P], max_norm one bound per column):
     "abadi" min(1, C / (n + 1e-6)), Opacus's; "automatic" C / (n + gamma)."""
     bound = torch.as_tensor(max_norm, dtype=torch.float64, device=norms.device)
@@ -179,8 +181,8 @@ def _writable_like(p: Tensor, existing) -> Tensor:
 
 
 def clip_and_accumulate_(
-    params,
-    max_norm,
+    params: Tensor | Iterable[Tensor],
+    max_norm: float | Sequence[float],
     *,
     style: str = "flat",
     clip: str = "abadi",
@@ -212,16 +214,17 @@ def clip_and_accumulate_(
         noise_multiplier: sigma; the noise's standard deviation is sigma * C. Writes ``p.grad``.
         expected_batch_size: the divisor of ``p.grad`` (Opacus's expected batch size times the batches
             accumulated, for loss_reduction="mean"; 1 for "sum"). Writes ``p.grad``.
-        generator, seed: the noise's source. Element i of parameter j gets the normal of (key, j, i) from a
+        generator: the noise's source: element i of parameter j gets the normal of (key, j, i) from a
             counter-based generator (Philox4x32-10 + Box-Muller), so the noise is the same for any thread
-            count. The key is ``seed`` where given, else drawn from ``generator`` (else torch's default CPU
-            generator): a run seeded by torch.manual_seed or a seeded generator repeats bit for bit.
+            count and CPU capability; the key is drawn from ``generator`` (else torch's default CPU
+            generator), so a run seeded by torch.manual_seed or a seeded generator repeats bit for bit.
+        seed: the key itself, instead of a draw (the caller then varies it from step to step).
         error_if_nonfinite: raise, writing nothing, when a per-sample norm is NaN or inf. Otherwise a NaN
             norm's factor is NaN and an inf norm's is 0, as in Opacus (a NaN or inf sample makes the sum NaN).
 
     Returns:
         The per-sample norms clipping used: [B] (flat) or [B, P] (per_layer), float32 (float64 for float64
-        gradients).
+            gradients).
     """
     name = "clip_and_accumulate_"
     if style not in STYLES:
@@ -315,7 +318,14 @@ def _accumulate(tensors, pieces, factors, summed, grads, accumulate, noise_std, 
         start += count
 
 
-def add_noise_(params, noise_std: float, *, divisor: float = 1.0, generator=None, seed=None) -> None:
+def add_noise_(
+    params: Tensor | Iterable[Tensor],
+    noise_std: float,
+    *,
+    divisor: float = 1.0,
+    generator: torch.Generator | None = None,
+    seed: int | None = None,
+) -> None:
     """``p.grad = (p.summed_grad + N(0, noise_std^2)) / divisor`` for every parameter, in one pass, the noise
     drawn as clip_and_accumulate_'s (a counter-based generator keyed by ``seed`` or a draw from
     ``generator``): the noise step on its own, for a sum already made (Opacus's ``add_noise``)."""
