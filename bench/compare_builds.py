@@ -15,6 +15,9 @@ A row meets --bar when the interval's upper end is under it. With --exact there 
 `torchclip-bench --exact` of the candidate, and its ratio is exact norms over today's norms, timed interleaved in
 that process; the runs are the pairs.
 
+--instructions adds each row's instructions per call under callgrind (bench/instructions.py; one run per row and
+build, AVX2 kernels), which no neighbour disturbs: the measure that settles rows bound by host work.
+
 The interval says what the runs can resolve: twelve pairs whose ratios spread by +-10% give an interval about
 +-4% wide around their median. torch's own time per run (min-max) shows how much the machine drifted.
 """
@@ -25,22 +28,25 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 
-def _load_intervals():
-    """torchclip/bench/intervals.py by its path: importing the package would load a build's extension here."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torchclip", "bench", "intervals.py")
-    spec = importlib.util.spec_from_file_location("torchclip_bench_intervals", path)
+
+def _load(path: str, name: str):
+    """A module by its path: importing the torchclip package would load a build's extension in this process."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-ratio_interval = _load_intervals().ratio_interval
+ratio_interval = _load(os.path.join(HERE, "..", "torchclip", "bench", "intervals.py"), "intervals").ratio_interval
+collected = _load(os.path.join(HERE, "instructions.py"), "instructions").collected
 
 
 def run_bench(tree: str, bench_args: list[str], out: str) -> list[dict]:
@@ -81,6 +87,52 @@ def collect(args, bench_args, trees) -> tuple[dict, dict, dict]:
     return base, cand, torch_ms
 
 
+def instructions_per_call(tree: str, row_key: tuple, exact: bool, calls: int) -> float:
+    """bench/instructions.py's count for one row under one build, in valgrind (AVX2 code: valgrind runs no
+    AVX-512)."""
+    workload, op, dtype, threads = row_key
+    command = [
+        "valgrind",
+        "--tool=callgrind",
+        "--collect-atstart=no",
+        "--toggle-collect=*qsort*",
+        "--callgrind-out-file=/dev/null",
+        sys.executable,
+        os.path.join(HERE, "instructions.py"),
+        "--workload",
+        workload,
+        "--op",
+        op,
+        "--dtype",
+        dtype,
+        "--threads",
+        str(threads),
+        "--calls",
+        str(calls),
+    ] + (["--exact"] if exact else [])
+    env = dict(os.environ, PYTHONPATH=tree, ATEN_CPU_CAPABILITY="avx2", TORCHCLIP_CPU_CAPABILITY="AVX2")
+    result = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, check=True)
+    return collected(result.stderr) / calls
+
+
+def print_instructions(args, trees, row_keys) -> None:
+    """The instructions table: per row, each build's (or today's and exact's) instructions per call."""
+    first, second = ("today", "exact") if args.exact else ("baseline", "candidate")
+    print(
+        f"\ninstructions per call (callgrind, AVX2 kernels, {args.calls} calls, the row's threads run one at a time):\n"
+    )
+    print(f"| workload | op | dtype | threads | {first} | {second} | {second} / {first} |")
+    print("|---|---|---|---|---:|---:|---:|")
+    for row_key in row_keys:
+        if args.exact:
+            a = instructions_per_call(trees["candidate"], row_key, False, args.calls)
+            b = instructions_per_call(trees["candidate"], row_key, True, args.calls)
+        else:
+            a = instructions_per_call(trees["baseline"], row_key, False, args.calls)
+            b = instructions_per_call(trees["candidate"], row_key, False, args.calls)
+        print(f"| {' | '.join(str(k) for k in row_key)} | {a:,.0f} | {b:,.0f} | {b / a:.3f} |", flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", help="source tree of the baseline build")
@@ -88,11 +140,27 @@ def main(argv=None) -> int:
     parser.add_argument("--exact", action="store_true", help="exact norms against today's norms, in the candidate")
     parser.add_argument("--pairs", type=int, default=12, help="run pairs (default 12); --exact: runs")
     parser.add_argument("--bar", type=float, help="mark the rows whose interval's upper end is under this ratio")
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="also count each row's instructions per call under callgrind (needs valgrind; about a minute a row "
+        "and build: choose the rows with --workload and --op)",
+    )
+    parser.add_argument("--calls", type=int, default=5, help="--instructions: calls counted per row (default 5)")
+    parser.add_argument(
+        "--row-op",
+        action="append",
+        metavar="OP",
+        help="report only this op's rows (repeatable); unlike the bench's --op, which a baseline from before it "
+        "would refuse, every build still times every row",
+    )
     args, bench_args = parser.parse_known_args(argv)
     if args.exact == (args.baseline is not None):
         parser.error("give --baseline TREE (two builds) or --exact (exact norms against today's), not both")
     if args.pairs < 2:
         parser.error("--pairs must be at least 2: an interval needs more than one ratio")
+    if args.instructions and shutil.which("valgrind") is None:
+        parser.error("--instructions needs valgrind (Debian/Ubuntu: apt-get install valgrind)")
     trees = {"candidate": os.path.abspath(args.candidate)}
     if args.baseline is not None:
         trees["baseline"] = os.path.abspath(args.baseline)
@@ -107,9 +175,10 @@ def main(argv=None) -> int:
     first, second = ("today ms", "exact ms") if args.exact else ("baseline ms", "candidate ms")
     print(f"| workload | op | dtype | threads | {first} | {second} | {what} | 95% interval | torch ms |{bar_column}")
     print("|---|---|---|---|---:|---:|---:|---|---|" + ("---|" if args.bar is not None else ""))
-    for row_key, b in base.items():
-        c = cand.get(row_key)
-        if not c or len(c) != len(b):
+    row_keys = [k for k in base if k in cand and (args.row_op is None or k[1] in args.row_op)]
+    for row_key in row_keys:
+        b, c = base[row_key], cand[row_key]
+        if len(c) != len(b):
             continue
         median, low, high = ratio_interval(c, b)
         met = "" if args.bar is None else (" yes |" if high < args.bar else " no |")
@@ -118,6 +187,8 @@ def main(argv=None) -> int:
             f"| {' | '.join(str(k) for k in row_key)} | {statistics.median(b):.3f} | {statistics.median(c):.3f} | "
             f"{median:.3f} | {low:.3f}-{high:.3f} | {min(t):.2f}-{max(t):.2f} |{met}"
         )
+    if args.instructions:
+        print_instructions(args, trees, row_keys)
     return 0
 
 

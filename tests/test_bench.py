@@ -451,6 +451,23 @@ def test_compare_builds_exact_prints_an_interval_per_row():
         assert 0 < low <= float(line.split("|")[7]) <= high
 
 
+def test_instruction_count_driver_makes_the_rows_call_and_its_summary_is_read():
+    root = pathlib.Path(__file__).resolve().parent.parent
+    argv = ["--workload", "10000x100", "--op", "ClipGradByValue", "--calls", "2"]
+    result = subprocess.run(
+        [sys.executable, str(root / "bench" / "instructions.py"), *argv], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    sys.path.insert(0, str(root / "bench"))
+    try:
+        from instructions import collected
+    finally:
+        sys.path.remove(str(root / "bench"))
+    assert collected("==12== Events    : Ir\n==12== Collected : 37058323\n==12==\n") == 37058323
+    with pytest.raises(ValueError, match="no callgrind summary"):
+        collected("valgrind: command not found")
+
+
 def test_step_mode_refuses_an_unknown_optimizer():
     with pytest.raises(SystemExit):
         bench.parse_args(["--step", "lamb"])
