@@ -11,9 +11,9 @@
 // 64 g + 16 + l, its words 2 and 3 those of 64 g + 32 + l and 64 g + 48 + l: each of the four outputs is 16
 // consecutive elements, stored without a shuffle at every vector width.
 //
-// Box-Muller in float32: u1 = (w0 + 1/2) / 2^32 in (0, 1] keeps w0's 32 bits where they matter (near 0), so
-// the largest normal is sqrt(-2 ln 2^-33) = 6.76 (torch's CPU normal_ reaches 5.7 from a 24-bit uniform);
-// the angle comes from w1's top 24 bits. The logarithm and the sine and cosine are polynomials accurate to a
+// Box-Muller in float32: u1 = (w0 + 1/2) / 2^32 in (0, 1], w0 rounded to float32, keeps w0's bits where they
+// matter (near 0), so the largest normal is sqrt(-2 ln 2^-33) = 6.76 (a uniform from 24 bits would stop at
+// 5.77); the angle comes from w1's top 24 bits. The logarithm and the sine and cosine are polynomials accurate to a
 // few float32 ulps (the tests compare them against a float64 evaluation of the same words). Every product
 // that meets a sum goes through `rounded`, so no instruction set fuses it into an FMA: the normals are the
 // same bits on every capability, not only on every thread count. Included only by per-ISA kernel sources:
