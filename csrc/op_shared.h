@@ -31,15 +31,9 @@
 
 namespace torchclip {
 
-// The storage type the kernels take a tensor as, or nullopt when ATen must serve it: the kernels walk
-// dense float16/bfloat16/float32/float64 runs; complex, integer, views with gaps or overlaps go to
-// ATen, which is correct for all. A lazily negated view (neg bit) holds -x in memory as x: only ATen
-// knows to flip it.
-inline std::optional<DType> kernel_dtype(const at::Tensor& t) {
-  if (!t.is_non_overlapping_and_dense() || t.is_neg()) {
-    return std::nullopt;
-  }
-  switch (t.scalar_type()) {
+// The kernels' storage type for a dtype: float16, bfloat16, float32 or float64; nullopt for every other.
+inline std::optional<DType> kernel_dtype_of(at::ScalarType dtype) {
+  switch (dtype) {
     case at::kHalf:
       return DType::Float16;
     case at::kBFloat16:
@@ -51,6 +45,17 @@ inline std::optional<DType> kernel_dtype(const at::Tensor& t) {
     default:
       return std::nullopt;
   }
+}
+
+// The storage type the kernels take a tensor as, or nullopt when ATen must serve it: the kernels walk
+// dense float16/bfloat16/float32/float64 runs; complex, integer, views with gaps or overlaps go to
+// ATen, which is correct for all. A lazily negated view (neg bit) holds -x in memory as x: only ATen
+// knows to flip it.
+inline std::optional<DType> kernel_dtype(const at::Tensor& t) {
+  if (!t.is_non_overlapping_and_dense() || t.is_neg()) {
+    return std::nullopt;
+  }
+  return kernel_dtype_of(t.scalar_type());
 }
 
 // A tensor the kernels do not walk as it is (ATen's path), as dense real terms an exact sum of squares or

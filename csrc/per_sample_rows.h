@@ -26,10 +26,8 @@ struct SampleRows {
   std::vector<at::Tensor> kept;    // copies made of pieces whose rows were not dense (kept alive)
 };
 
-namespace per_sample_detail {
-
 // Whether each row t[r] is one dense run: the strides past the batch dimension are contiguous ones.
-inline bool rows_dense(const at::Tensor& t) {
+inline bool rows_are_dense(const at::Tensor& t) {
   int64_t expected = 1;
   for (int64_t d = t.dim() - 1; d >= 1; --d) {
     if (t.size(d) != 1 && t.stride(d) != expected) {
@@ -39,25 +37,6 @@ inline bool rows_dense(const at::Tensor& t) {
   }
   return !t.is_neg() && !t.is_conj();
 }
-
-inline bool floating_storage(at::ScalarType dtype) {
-  return dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kDouble;
-}
-
-inline DType kernel_type_of(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kHalf:
-      return DType::Float16;
-    case at::kBFloat16:
-      return DType::BFloat16;
-    case at::kFloat:
-      return DType::Float32;
-    default:
-      return DType::Float64;
-  }
-}
-
-}  // namespace per_sample_detail
 
 // The dtype rows are summed from into `into`'s dtype: their own, except across float64 (the kernels sum
 // 16/32-bit rows in float32 and float64 rows in float64), where Opacus's own cast to the parameter's dtype is
@@ -70,7 +49,6 @@ inline at::ScalarType per_sample_read_as(at::ScalarType row, at::ScalarType into
 // parameter's rows are summed into (per_sample_read_as's `into`).
 inline SampleRows sample_rows(at::TensorList grad_samples, at::IntArrayRef pieces, const char* op, c10::Device device,
     at::TensorList sums = {}) {
-  using namespace per_sample_detail;
   SampleRows out;
   const int64_t params = static_cast<int64_t>(pieces.size());
   int64_t listed = 0;
@@ -95,7 +73,7 @@ inline SampleRows sample_rows(at::TensorList grad_samples, at::IntArrayRef piece
           "; only strided tensors are supported");
       TORCH_CHECK(t.dim() >= 1, op, ": parameter ", j,
           "'s per-sample gradient is 0-d; per-sample gradients are [batch, *parameter.shape]");
-      TORCH_CHECK(floating_storage(t.scalar_type()), op, ": parameter ", j, "'s per-sample gradient has dtype ",
+      TORCH_CHECK(kernel_dtype_of(t.scalar_type()), op, ": parameter ", j, "'s per-sample gradient has dtype ",
           t.scalar_type(), "; per-sample clipping takes float16, bfloat16, float32 or float64 gradients");
       TORCH_CHECK(t.sizes().slice(1) == first.sizes().slice(1) && t.scalar_type() == first.scalar_type(), op,
           ": parameter ", j, "'s per-sample gradients disagree: ", first.scalar_type(), first.sizes(), " and ",
@@ -105,7 +83,7 @@ inline SampleRows sample_rows(at::TensorList grad_samples, at::IntArrayRef piece
       if (!sums.empty() && per_sample_read_as(t.scalar_type(), sums[j].scalar_type()) != t.scalar_type()) {
         read = t.to(sums[j].scalar_type());
       }
-      if (!rows_dense(read)) {
+      if (!rows_are_dense(read)) {
         read = read.resolve_conj().resolve_neg().contiguous();
       }
       if (!read.is_same(t)) {
@@ -118,7 +96,7 @@ inline SampleRows sample_rows(at::TensorList grad_samples, at::IntArrayRef piece
     out.batch = batch;
     out.firsts.push_back(first);
     out.numels.push_back(c10::multiply_integers(first.sizes().slice(1)));
-    out.dtypes.push_back(kernel_type_of(readable.back().scalar_type()));
+    out.dtypes.push_back(*kernel_dtype_of(readable.back().scalar_type()));
     offset += pieces[j];
   }
   out.rows.resize(params * out.batch);
@@ -187,6 +165,37 @@ inline void check_per_sample_shapes(const SampleRows& rows, at::TensorList summe
           factors.size(1) == rows.batch && (factors.size(0) == 1 || factors.size(0) == params),
       op, ": factors must be a float64 tensor [1 or ", params, ", ", rows.batch, "] on ", device, ", got ",
       factors.scalar_type(), factors.sizes(), " on ", factors.device());
+}
+
+// per_sample_accumulate_'s rows, after every check the op makes before its first write: the arguments, the rows,
+// their shapes against the sums', and the written tensors (none refused under inference mode, no two sharing
+// memory: the kernels write each element once).
+inline SampleRows checked_accumulate_rows(at::TensorList grad_samples, at::IntArrayRef pieces,
+    const at::Tensor& factors, at::TensorList summed, at::TensorList grads, double noise_std, double divisor,
+    c10::Device device, const char* op) {
+  check_per_sample_sums(summed, grads, static_cast<int64_t>(pieces.size()), noise_std, divisor, device, op);
+  SampleRows rows = sample_rows(grad_samples, pieces, op, device, summed);
+  check_per_sample_shapes(rows, summed, factors, device, op);
+  std::vector<at::Tensor> written(summed.begin(), summed.end());
+  written.insert(written.end(), grads.begin(), grads.end());
+  check_not_inference(written, op);
+  TORCH_CHECK(!tensors_may_overlap(written), op, ": summed and grads must not share memory");
+  return rows;
+}
+
+// The kernels' description of every parameter: `row_pointers` holds rows.rows where the kernels read them (the
+// host's array on the CPU, a device copy on CUDA), `dense_factors` the [1 or P, B] factors, contiguous.
+inline std::vector<PerSampleParam> per_sample_params(const SampleRows& rows, const void* const* row_pointers,
+    const at::Tensor& dense_factors, at::TensorList summed, at::TensorList grads) {
+  const double* factor_rows = dense_factors.data_ptr<double>();
+  std::vector<PerSampleParam> params(summed.size());
+  for (size_t j = 0; j < params.size(); ++j) {
+    const auto jj = static_cast<int64_t>(j);
+    params[j] = {row_pointers + jj * rows.batch, factor_rows + (dense_factors.size(0) == 1 ? 0 : jj * rows.batch),
+        summed[j].data_ptr(), grads.empty() ? nullptr : grads[j].data_ptr(), rows.numels[j], rows.dtypes[j],
+        *kernel_dtype(summed[j])};
+  }
+  return params;
 }
 
 }  // namespace torchclip

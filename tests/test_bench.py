@@ -16,6 +16,17 @@ from torchclip.bench import __main__ as bench
 from torchclip.bench import adaptive, workloads
 from torchclip.bench.timing import byte_stream_buffer
 
+
+def python_cli(*arguments, timeout=300, cwd=None) -> subprocess.CompletedProcess:
+    """This interpreter run with `arguments` in a fresh process, its output captured."""
+    return subprocess.run([sys.executable, *arguments], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def bench_cli(*argv, timeout=300) -> subprocess.CompletedProcess:
+    """`torchclip-bench argv...` in a fresh process, its output captured."""
+    return python_cli("-m", "torchclip.bench", *argv, timeout=timeout)
+
+
 JSON_FIELDS = {
     "op",
     "workload",
@@ -33,28 +44,20 @@ JSON_FIELDS = {
 
 def test_quick_run_prints_a_table_and_writes_json(tmp_path):
     out = tmp_path / "rows.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torchclip.bench",
-            "--quick",
-            "--workload",
-            "mobilenet_v3_small",
-            "--workload",
-            "10000x100",
-            "--rounds",
-            "3",
-            "--json",
-            str(out),
-            "--plot",
-            str(tmp_path / "plot.png"),
-            "--markdown",
-            str(tmp_path / "RESULTS.md"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = bench_cli(
+        "--quick",
+        "--workload",
+        "mobilenet_v3_small",
+        "--workload",
+        "10000x100",
+        "--rounds",
+        "3",
+        "--json",
+        str(out),
+        "--plot",
+        str(tmp_path / "plot.png"),
+        "--markdown",
+        str(tmp_path / "RESULTS.md"),
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -104,25 +107,7 @@ def test_the_bound_of_a_32_or_64_bit_row_is_the_gradients_own_buffer(dtype):
 
 def test_separate_gradients_run_and_are_named_in_the_header(tmp_path):
     out = tmp_path / "rows.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torchclip.bench",
-            "--quick",
-            "--workload",
-            "10000x100",
-            "--rounds",
-            "2",
-            "--grads",
-            "separate",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = bench_cli("--quick", "--workload", "10000x100", "--rounds", "2", "--grads", "separate", "--json", str(out))
     assert result.returncode == 0, result.stderr
     assert "gradients: separate allocations" in result.stdout.splitlines()[0]
     assert json.loads(out.read_text())["grads"] == "separate"
@@ -131,9 +116,7 @@ def test_separate_gradients_run_and_are_named_in_the_header(tmp_path):
 def test_exact_rows_time_the_exact_norms_beside_todays(tmp_path):
     out = tmp_path / "rows.json"
     argv = ["--quick", "--workload", "10000x100", "--rounds", "2", "--exact", "--json", str(out)]
-    result = subprocess.run(
-        [sys.executable, "-m", "torchclip.bench", *argv], capture_output=True, text=True, timeout=300
-    )
+    result = bench_cli(*argv)
     assert result.returncode == 0, result.stderr
     assert "exact ms" in result.stdout and "exact x" in result.stdout
     for row in json.loads(out.read_text())["rows"]:
@@ -149,24 +132,8 @@ def test_exact_rows_time_the_exact_norms_beside_todays(tmp_path):
 
 def test_generator_parameters_run_and_are_named_in_the_header(tmp_path):
     out = tmp_path / "rows.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torchclip.bench",
-            "--quick",
-            "--workload",
-            "mobilenet_v3_small",
-            "--rounds",
-            "2",
-            "--params",
-            "generator",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = bench_cli(
+        "--quick", "--workload", "mobilenet_v3_small", "--rounds", "2", "--params", "generator", "--json", str(out)
     )
     assert result.returncode == 0, result.stderr
     assert "parameters passed as a generator" in result.stdout.splitlines()[0]
@@ -241,25 +208,7 @@ def test_bad_arguments_are_named(argv, message, capsys):
 @cuda_only
 def test_quick_cuda_run(tmp_path):
     out = tmp_path / "rows.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torchclip.bench",
-            "--quick",
-            "--device",
-            "cuda",
-            "--workload",
-            "10000x100",
-            "--rounds",
-            "3",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = bench_cli("--quick", "--device", "cuda", "--workload", "10000x100", "--rounds", "3", "--json", str(out))
     assert result.returncode == 0, result.stderr
     assert "GPU: " in result.stdout.splitlines()[0]
     rows = json.loads(out.read_text())["rows"]
@@ -282,28 +231,20 @@ def test_step_mode_rows(tmp_path):
     """--step: the four candidates on one optimizer, and the added-cost columns derived from them."""
     out = tmp_path / "steps.json"
     page = tmp_path / "RESULTS-step.md"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torchclip.bench",
-            "--step",
-            "adamw-fused",
-            "--step",
-            "sgd",
-            "--workload",
-            "2000x64x64",
-            "--rounds",
-            "3",
-            "--quick",
-            "--json",
-            str(out),
-            "--markdown",
-            str(page),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = bench_cli(
+        "--step",
+        "adamw-fused",
+        "--step",
+        "sgd",
+        "--workload",
+        "2000x64x64",
+        "--rounds",
+        "3",
+        "--quick",
+        "--json",
+        str(out),
+        "--markdown",
+        str(page),
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[1].split()[:4] == ["optimizer", "workload", "dtype", "thr"]
@@ -324,11 +265,17 @@ def test_training_mode_rows(tmp_path, ranks):
     out, page = tmp_path / "training.json", tmp_path / "RESULTS-step.md"
     models = ["gpt2-small", "resnet50"] if ranks == 1 else ["resnet50"]
     arguments = [arg for model in models for arg in ("--training", model)]
-    result = subprocess.run(
-        [sys.executable, "-m", "torchclip.bench", *arguments, "--ranks", str(ranks), "--rounds", "1", "--quick"]
-        + ["--json", str(out), "--markdown", str(page)],
-        capture_output=True,
-        text=True,
+    result = bench_cli(
+        *arguments,
+        "--ranks",
+        str(ranks),
+        "--rounds",
+        "1",
+        "--quick",
+        "--json",
+        str(out),
+        "--markdown",
+        str(page),
         timeout=600,
     )
     assert result.returncode == 0, result.stderr
@@ -345,24 +292,7 @@ def test_adaptive_mode_rows(tmp_path):
     """--adaptive: every adaptive clip, its ratios derived from the timed candidates; the references that
     are installed (zclip, autoclip; timm where it is) timed beside it."""
     out = tmp_path / "adaptive.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torchclip.bench",
-            "--adaptive",
-            "--workload",
-            "2000x64x64",
-            "--rounds",
-            "3",
-            "--quick",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = bench_cli("--adaptive", "--workload", "2000x64x64", "--rounds", "3", "--quick", "--json", str(out))
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[1].split()[:4] == ["clip", "workload", "dtype", "thr"]
     rows = json.loads(out.read_text())["adaptive_rows"]
@@ -380,24 +310,7 @@ def test_per_sample_mode_rows(tmp_path):
     """--per-sample: torchclip's two passes with and without noise, and Opacus's DPOptimizer where it is
     installed, in reads of the per-sample gradients."""
     out = tmp_path / "per_sample.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torchclip.bench",
-            "--per-sample",
-            "--quick",
-            "--rounds",
-            "2",
-            "--batch",
-            "4",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = bench_cli("--per-sample", "--quick", "--rounds", "2", "--batch", "4", "--json", str(out))
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())["per_sample_rows"]
     assert [(r["workload"], r["dtype"], r["batch"]) for r in rows] == [
@@ -432,24 +345,18 @@ needs_bench_scripts = pytest.mark.skipif(
 @needs_bench_scripts
 def test_compare_builds_exact_prints_an_interval_per_row():
     root = pathlib.Path(__file__).resolve().parent.parent
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(root / "bench" / "compare_builds.py"),
-            "--exact",
-            "--pairs",
-            "2",
-            "--bar",
-            "100",
-            "--quick",
-            "--workload",
-            "10000x100",
-            "--rounds",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = python_cli(
+        str(root / "bench" / "compare_builds.py"),
+        "--exact",
+        "--pairs",
+        "2",
+        "--bar",
+        "100",
+        "--quick",
+        "--workload",
+        "10000x100",
+        "--rounds",
+        "2",
         cwd=root,
     )
     assert result.returncode == 0, result.stderr
@@ -464,9 +371,7 @@ def test_compare_builds_exact_prints_an_interval_per_row():
 def test_instruction_count_driver_makes_the_rows_call_and_its_summary_is_read():
     root = pathlib.Path(__file__).resolve().parent.parent
     argv = ["--workload", "10000x100", "--op", "ClipGradByValue", "--calls", "2"]
-    result = subprocess.run(
-        [sys.executable, str(root / "bench" / "instructions.py"), *argv], capture_output=True, text=True, timeout=300
-    )
+    result = python_cli(str(root / "bench" / "instructions.py"), *argv)
     assert result.returncode == 0, result.stderr
     sys.path.insert(0, str(root / "bench"))
     try:

@@ -23,7 +23,36 @@ _PATCHES = {
 }
 
 
-class patch:
+_ABSENT = object()
+
+
+class AttributePatch:
+    """Attributes set on modules or classes until `.undo()`, or for a `with` block, then what was there before put
+    back (an attribute the owner did not hold itself, a class's inherited method, is removed again). The one
+    mechanism of `patch()` and `torchclip.per_sample.patch_opacus()`."""
+
+    def __init__(self, replacements) -> None:
+        replacements = list(replacements)  # (owner, name, value)
+        self._saved = [(owner, name, vars(owner).get(name, _ABSENT)) for owner, name, _ in replacements]
+        for owner, name, value in replacements:
+            setattr(owner, name, value)
+
+    def undo(self) -> None:
+        for owner, name, original in reversed(self._saved):
+            if original is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+        self._saved = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.undo()
+
+
+class patch(AttributePatch):
     """Install torchclip's drop-ins into `torch.nn.utils` (and `torch.nn.utils.clip_grad`).
 
     For code that cannot change its imports (a framework's trainer): `torchclip.patch()` installs them
@@ -37,18 +66,6 @@ class patch:
     """
 
     def __init__(self) -> None:
-        self._saved = [(module, name, getattr(module, name)) for module, names in _PATCHES.items() for name in names]
-        for module, names in _PATCHES.items():
-            for name, function in names.items():
-                setattr(module, name, function)
-
-    def undo(self) -> None:
-        for module, name, original in reversed(self._saved):
-            setattr(module, name, original)
-        self._saved = []
-
-    def __enter__(self) -> patch:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.undo()
+        super().__init__(
+            (module, name, function) for module, names in _PATCHES.items() for name, function in names.items()
+        )

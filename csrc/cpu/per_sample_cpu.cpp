@@ -49,25 +49,13 @@ std::tuple<at::Tensor, at::Tensor> per_sample_norms_cpu(at::TensorList grad_samp
 void per_sample_accumulate_cpu(at::TensorList grad_samples, at::IntArrayRef pieces, const at::Tensor& factors,
     at::TensorList summed, at::TensorList grads, bool accumulate, double noise_std, int64_t seed, double divisor) {
   constexpr const char* op = "torchclip.per_sample_accumulate_";
-  const int64_t params = static_cast<int64_t>(pieces.size());
-  check_per_sample_sums(summed, grads, params, noise_std, divisor, kCpu, op);
-  const SampleRows rows = sample_rows(grad_samples, pieces, op, kCpu, summed);
-  check_per_sample_shapes(rows, summed, factors, kCpu, op);
-  std::vector<at::Tensor> written(summed.begin(), summed.end());
-  written.insert(written.end(), grads.begin(), grads.end());
-  check_not_inference(written, op);
-  TORCH_CHECK(!tensors_may_overlap(written), op, ": summed and grads must not share memory");
+  const SampleRows rows =
+      checked_accumulate_rows(grad_samples, pieces, factors, summed, grads, noise_std, divisor, kCpu, op);
   const at::Tensor dense_factors = factors.contiguous();
-  const double* factor_rows = dense_factors.data_ptr<double>();
-  std::vector<PerSampleParam> work(params);
-  for (int64_t j = 0; j < params; ++j) {
-    work[j] = {rows.rows.data() + j * rows.batch, factor_rows + (factors.size(0) == 1 ? 0 : j * rows.batch),
-        summed[j].data_ptr(), grads.empty() ? nullptr : grads[j].data_ptr(), rows.numels[j], rows.dtypes[j],
-        *kernel_dtype(summed[j])};
-  }
+  const std::vector<PerSampleParam> work = per_sample_params(rows, rows.rows.data(), dense_factors, summed, grads);
   const PerSampleStep step{rows.batch, accumulate, noise_std, divisor, static_cast<uint64_t>(seed)};
-  if (params > 0) {
-    cpu_kernels().per_sample_accumulate(work.data(), params, &step);
+  if (!work.empty()) {
+    cpu_kernels().per_sample_accumulate(work.data(), static_cast<int64_t>(work.size()), &step);
   }
 }
 

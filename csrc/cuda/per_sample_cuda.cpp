@@ -82,33 +82,20 @@ void per_sample_accumulate_cuda(at::TensorList grad_samples, at::IntArrayRef pie
   constexpr const char* op = "torchclip.per_sample_accumulate_";
   const c10::Device device = first_device(grad_samples, &factors);
   const c10::cuda::CUDAGuard guard(device);
-  const int64_t params = static_cast<int64_t>(pieces.size());
-  check_per_sample_sums(summed, grads, params, noise_std, divisor, device, op);
-  const SampleRows rows = sample_rows(grad_samples, pieces, op, device, summed);
-  check_per_sample_shapes(rows, summed, factors, device, op);
-  std::vector<at::Tensor> written(summed.begin(), summed.end());
-  written.insert(written.end(), grads.begin(), grads.end());
-  check_not_inference(written, op);
-  TORCH_CHECK(!tensors_may_overlap(written), op, ": summed and grads must not share memory");
-  if (params == 0) {
+  const SampleRows rows =
+      checked_accumulate_rows(grad_samples, pieces, factors, summed, grads, noise_std, divisor, device, op);
+  if (pieces.empty()) {
     return;
   }
   const at::Tensor row_table = on_device(rows.rows.data(), rows.rows.size() * sizeof(void*), device);
   const at::Tensor dense_factors = factors.contiguous();
-  const auto* device_rows = static_cast<const void* const*>(row_table.data_ptr());
-  const double* factor_rows = dense_factors.data_ptr<double>();
-  std::vector<PerSampleParam> table(params);
-  int64_t max_numel = 0;
-  for (int64_t j = 0; j < params; ++j) {
-    table[j] = {device_rows + j * rows.batch, factor_rows + (factors.size(0) == 1 ? 0 : j * rows.batch),
-        summed[j].data_ptr(), grads.empty() ? nullptr : grads[j].data_ptr(), rows.numels[j], rows.dtypes[j],
-        *kernel_dtype(summed[j])};
-    max_numel = std::max(max_numel, rows.numels[j]);
-  }
+  const std::vector<PerSampleParam> table =
+      per_sample_params(rows, static_cast<const void* const*>(row_table.data_ptr()), dense_factors, summed, grads);
+  const int64_t max_numel = *std::max_element(rows.numels.begin(), rows.numels.end());
   const at::Tensor param_table = on_device(table.data(), table.size() * sizeof(PerSampleParam), device);
   const PerSampleStep step{rows.batch, accumulate, noise_std, divisor, static_cast<uint64_t>(seed)};
-  cuda::per_sample_accumulate(static_cast<const PerSampleParam*>(param_table.data_ptr()), params, max_numel, step,
-      c10::cuda::getCurrentCUDAStream().stream());
+  cuda::per_sample_accumulate(static_cast<const PerSampleParam*>(param_table.data_ptr()),
+      static_cast<int64_t>(table.size()), max_numel, step, c10::cuda::getCurrentCUDAStream().stream());
 }
 
 }  // namespace

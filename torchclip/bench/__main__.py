@@ -212,6 +212,17 @@ def make_progress(enabled):
     return progress
 
 
+def _positive_integers(parser, flag: str, text: str) -> list[int]:
+    """A comma list of positive integers, or the parser's error naming the flag and what it got."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        parser.error(f"{flag} {text!r}: expected a comma list of positive integers")
+    return values
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="torchclip-bench", description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -317,32 +328,20 @@ def parse_args(argv):
     parser.add_argument("--plot", metavar="PATH", help="also draw speed-up and fraction of the bound (PNG)")
     parser.add_argument("--markdown", metavar="PATH", help="also write a results page (Markdown, with the plot)")
     args = parser.parse_args(argv)
-    for name in args.step or []:
-        if name not in step.OPTIMIZERS:
-            parser.error(f"--step {name!r}: unknown; choose from {', '.join(step.OPTIMIZERS)}")
-    for name in args.training or []:
-        if name not in training.MODELS:
-            parser.error(f"--training {name!r}: unknown; choose from {', '.join(training.MODELS)}")
+    for flag, names, known in (
+        ("--step", args.step, step.OPTIMIZERS),
+        ("--training", args.training, training.MODELS),
+        ("--op", args.op, OPS),
+        ("--dtype", args.dtype, DTYPES),
+    ):
+        for name in names or []:
+            if name not in known:
+                parser.error(f"{flag} {name!r}: unknown; choose from {', '.join(known)}")
     if args.training and importlib.util.find_spec("transformers") is None:
         parser.error("--training needs transformers (its models): pip install -r requirements-integration.txt")
-    try:
-        args.rank_counts = [int(r) for r in args.ranks.split(",")]
-        if any(r < 1 for r in args.rank_counts):
-            raise ValueError
-    except ValueError:
-        parser.error(f"--ranks {args.ranks!r}: expected a comma list of positive integers")
-    for op in args.op or []:
-        if op not in OPS:
-            parser.error(f"--op {op!r}: unknown; choose from {', '.join(OPS)}")
-    for d in args.dtype or []:
-        if d not in DTYPES:
-            parser.error(f"--dtype {d!r}: unknown; choose from {', '.join(DTYPES)}")
-    try:
-        args.thread_counts = [int(t) for t in args.threads.split(",")]
-        if any(t < 1 for t in args.thread_counts):
-            raise ValueError
-    except ValueError:
-        parser.error(f"--threads {args.threads!r}: expected a comma list of positive integers")
+    args.rank_counts = _positive_integers(parser, "--ranks", args.ranks)
+    args.thread_counts = _positive_integers(parser, "--threads", args.threads)
+    args.batches = _positive_integers(parser, "--batch", args.batch)
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # before the run, not after it
         parser.error("--plot needs matplotlib: pip install torchclip[bench]")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -351,12 +350,6 @@ def parse_args(argv):
         parser.error("--device cuda: torchclip was built without its CUDA kernels (TORCHCLIP_CUDA=1)")
     if args.training and args.device == "cuda" and args.rank_counts != [1]:
         parser.error(f"--ranks {args.ranks} with --device cuda: the training rows run DDP on the CPU only")
-    try:
-        args.batches = [int(b) for b in args.batch.split(",")]
-        if any(b < 1 for b in args.batches):
-            raise ValueError
-    except ValueError:
-        parser.error(f"--batch {args.batch!r}: expected a comma list of positive integers")
     args.workload = (args.workload or []) + [f"model:{m}" for m in args.model or []]
     if args.per_sample:
         for w in args.workload:

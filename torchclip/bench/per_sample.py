@@ -102,8 +102,7 @@ def run(workload_names, dtypes, batches, thread_counts, rounds, warmup, progress
 
 
 def _time_row(workload, dtype_name, batch, threads, rounds, warmup) -> PerSampleRow:
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
-    params = _params(WORKLOADS[workload](), batch, dtype)
+    params = _params(WORKLOADS[workload](), batch, getattr(torch, dtype_name))
     elements = sum(p.grad_sample.numel() for p in params)
     read_buffer = byte_stream_buffer(torch.cat([p.grad_sample.reshape(-1) for p in params]))
     optimizer = _opacus_optimizer(params, batch)

@@ -42,19 +42,11 @@ def _norm_dtype(tensors: Sequence[Tensor]) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _kernels_take(tensors: Sequence[Tensor]) -> bool:
-    """Whether torchclip's per-sample kernels take these tensors: all on one device whose kernels were built
-    (the CPU's always, CUDA's with TORCHCLIP_CUDA)."""
-    if not tensors:
-        return True
-    device = tensors[0].device
-    return device.type in _ops.KERNEL_DEVICES and all(t.device == device for t in tensors)
-
-
 def _norms_float64(tensors: list[Tensor], pieces: list[int], norm_type: float) -> tuple[Tensor, Tensor]:
-    if _kernels_take(tensors):
+    if _ops.kernels_serve(tensors):
         return _ops.per_sample_norms(tensors, pieces, norm_type)
-    # Where no kernel was built: the same numbers from torch's own norms, in float64.
+    # Where the kernels do not serve the tensors (no kernel built for their device, subclasses): the same numbers
+    # from torch's own norms, in float64.
     per_parameter, start = [], 0
     for count in pieces:
         rows = torch.cat([t.reshape(t.shape[0], -1) for t in tensors[start : start + count]]).double()
@@ -285,7 +277,7 @@ def clip_and_accumulate_(
 
 
 def _accumulate(tensors, pieces, factors, summed, grads, accumulate, noise_std, key, divisor):
-    if _kernels_take([*tensors, *summed, *grads]):
+    if _ops.kernels_serve([*tensors, *summed, *grads]):
         _ops.per_sample_accumulate_(
             tensors,
             pieces,
@@ -298,8 +290,8 @@ def _accumulate(tensors, pieces, factors, summed, grads, accumulate, noise_std, 
             divisor=divisor,
         )
         return
-    # Where no kernel was built: torch's ops, the same sums, the noise from torch.normal under a generator seeded
-    # with the key (reproducible, but not the kernels' bits).
+    # Where the kernels do not serve the tensors: torch's ops, the same sums, the noise from torch.normal under a
+    # generator seeded with the key (reproducible, but not the kernels' bits).
     noise_source = None
     if grads and noise_std:
         noise_source = torch.Generator(device=summed[0].device)

@@ -8,6 +8,7 @@ clip_and_accumulate (AdaClip, fast gradient clipping) keep theirs."""
 
 from __future__ import annotations
 
+from torchclip.patching import AttributePatch
 from torchclip.per_sample._clip import add_noise_, clip_and_accumulate_
 
 
@@ -20,7 +21,7 @@ def _opacus_optimizers():
     return dp_optimizer, perlayeroptimizer
 
 
-class patch_opacus:
+class patch_opacus(AttributePatch):
     """Install torchclip's per-sample clipping into Opacus's optimizers until ``.undo()``, or for a block:
 
     Example:
@@ -36,21 +37,19 @@ class patch_opacus:
         check, mark = dp_optimizer._check_processed_flag, dp_optimizer._mark_as_processed
         opacus_add_noise = DPOptimizer.add_noise
 
-        def clip_and_accumulate(self) -> None:
+        def clip_by(self, max_norm, style: str) -> None:
             params = self.params
             for p in params:  # (before any write, where Opacus checks parameter by parameter)
                 check(p.grad_sample)
-            clip_and_accumulate_(params, self.max_grad_norm)
+            clip_and_accumulate_(params, max_norm, style=style)
             for p in params:
                 mark(p.grad_sample)
 
+        def clip_and_accumulate(self) -> None:
+            clip_by(self, self.max_grad_norm, "flat")
+
         def clip_and_accumulate_per_layer(self) -> None:
-            params = self.params
-            for p in params:
-                check(p.grad_sample)
-            clip_and_accumulate_(params, self.max_grad_norms, style="per_layer")
-            for p in params:
-                mark(p.grad_sample)
+            clip_by(self, self.max_grad_norms, "per_layer")
 
         def add_noise(self) -> None:
             if self.secure_mode:
@@ -63,22 +62,10 @@ class patch_opacus:
                 mark(p.summed_grad)
             return None
 
-        self._saved = [
-            (DPOptimizer, "clip_and_accumulate", DPOptimizer.__dict__["clip_and_accumulate"]),
-            (DPOptimizer, "add_noise", DPOptimizer.__dict__["add_noise"]),
-            (DPPerLayerOptimizer, "clip_and_accumulate", DPPerLayerOptimizer.__dict__["clip_and_accumulate"]),
-        ]
-        DPOptimizer.clip_and_accumulate = clip_and_accumulate
-        DPOptimizer.add_noise = add_noise
-        DPPerLayerOptimizer.clip_and_accumulate = clip_and_accumulate_per_layer
-
-    def undo(self) -> None:
-        for cls, name, original in reversed(self._saved):
-            setattr(cls, name, original)
-        self._saved = []
-
-    def __enter__(self) -> patch_opacus:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.undo()
+        super().__init__(
+            [
+                (DPOptimizer, "clip_and_accumulate", clip_and_accumulate),
+                (DPOptimizer, "add_noise", add_noise),
+                (DPPerLayerOptimizer, "clip_and_accumulate", clip_and_accumulate_per_layer),
+            ]
+        )
