@@ -117,6 +117,18 @@ class ExactSum {
     if (other.top_ < 0) {
       return;
     }
+    if (pending_ + other.pending_ + 1 < kCarryEvery) {
+      // The other's digits as they are, carries and all: each digit then holds what both sums' pending
+      // additions put there, plus its 32 bits from each, within the budget that keeps an int64 from
+      // overflowing. (Propagating both first cost 270 instructions a tensor on 10,000 x 100, two-thirds of what
+      // summing its 100 values did.)
+      widen(other.bottom_, other.top_);
+      for (int k = other.bottom_; k <= other.top_; ++k) {
+        digits_[k] += other.digits_[k];
+      }
+      pending_ += other.pending_ + 1;
+      return;
+    }
     if (other.pending_ != 0) {
       ExactSum normalised = other;
       normalised.propagate_carries();

@@ -386,3 +386,16 @@ def test_instruction_count_driver_makes_the_rows_call_and_its_summary_is_read():
 def test_step_mode_refuses_an_unknown_optimizer():
     with pytest.raises(SystemExit):
         bench.parse_args(["--step", "lamb"])
+
+
+def test_the_benchmarks_help_prints():
+    # (argparse %-formats help strings: a bare "95%" once made --help itself a traceback)
+    result = bench_cli("--help")
+    assert result.returncode == 0 and "--exact" in result.stdout, result.stderr
+
+
+@needs_bench_scripts
+@pytest.mark.parametrize("script", sorted(path.name for path in BENCH_SCRIPTS.glob("*.py")))
+def test_every_bench_scripts_help_prints(script):
+    result = python_cli(str(BENCH_SCRIPTS / script), "--help")
+    assert result.returncode == 0 and "usage:" in result.stdout, result.stderr

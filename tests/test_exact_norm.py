@@ -130,6 +130,96 @@ def test_a_wide_dynamic_range_loses_nothing(exact, dtype, norm_type, values):
     assert per_tensor.item() == exact_norm([t], norm_type)
 
 
+def blocks_whose_magnitudes_move(dtype, seed):
+    """Blocks of 1,024 values (the kernel's block) at scales that send them to the plain run, the quanta run,
+    both in turn, a fresh run or the levels: scales up and down by 2x (within a run's headroom) and by 2^20, a
+    lone tiny value, all zeros, one value, magnitudes just below a power of two (the largest terms a run's
+    lanes can take), the dtype's smallest and largest magnitudes; then more blocks of one scale than a run
+    takes, and a tail shorter than a vector."""
+    info = torch.finfo(dtype)
+    generator = torch.Generator().manual_seed(seed)
+    blocks = []
+
+    def normal(scale):
+        return torch.randn(1024, generator=generator, dtype=torch.float64) * scale
+
+    jump = min(2.0**20, 2.0 ** math.floor(math.log2(info.max) / 2))  # (2^8 for float16)
+    for scale in (1.0, 2.0, 4.0, 1.0, jump, 1.0, 1 / jump, 0.5, 8.0, 1.0):
+        blocks.append(normal(scale))
+    lone_tiny = normal(1.0)
+    lone_tiny[517] = 2.0**-30
+    blocks.append(lone_tiny)
+    blocks.append(torch.zeros(1024, dtype=torch.float64))
+    single = torch.zeros(1024, dtype=torch.float64)
+    single[3] = -3.0
+    blocks.append(single)
+    below_powers = torch.full((1024,), 2.0 - info.eps, dtype=torch.float64)  # the largest value below 2
+    below_powers[::3] *= -1
+    blocks.append(below_powers)
+    blocks.append(normal(1.0).sign() * info.smallest_normal * info.eps)  # subnormal: the smallest magnitude
+    blocks.append(normal(1.0).clamp(-1, 1) * info.max)
+    blocks.append(normal(1.0))
+    blocks.extend(normal(1e-3) for _ in range(20))  # more terms of one scale than one run takes
+    blocks.append(torch.randn(5, generator=generator, dtype=torch.float64))
+    return torch.cat(blocks).to(dtype)
+
+
+def kernel_sums(tensors, norm_type) -> list[Fraction]:
+    """The kernel's exact sums themselves (_ops.exact_sums' digits), each tensor's then the total's: a sum that
+    lost a low bit would still round to the right norm almost always, so the bounds are tested on these."""
+    rows = torch.cat([_ops.exact_sums(tensors, norm_type, True), _ops.exact_sums(tensors, norm_type, False)])
+    assert not rows[:, :2].any(), "no NaN or inf here"
+    return [sum(Fraction(int(d)) * Fraction(2) ** (32 * k - 2176) for k, d in enumerate(row[2:])) for row in rows]
+
+
+@pytest.mark.parametrize("norm_type", ORDERS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_runs_across_blocks_whose_magnitudes_move(exact, dtype, norm_type):
+    t = blocks_whose_magnitudes_move(dtype, seed=7)
+    pieces = [t, t[1000:9000], t[4096:], t.flip(0)]
+    total, per_tensor = _ops.multi_tensor_norm(pieces, norm_type)
+    for i, piece in enumerate(pieces):
+        assert per_tensor[i].item() == exact_norm([piece], norm_type), f"pieces[{i}]"
+    assert torch.equal(total, as_dtype(exact_norm(pieces, norm_type), dtype))
+    assert kernel_sums(pieces, norm_type) == [
+        *(exact_sum([piece], norm_type) for piece in pieces),
+        exact_sum(pieces, norm_type),
+    ]
+
+
+def runs_at_their_bounds(dtype, norm_type, seed):
+    """Runs as large as the kernel takes, of blocks whose largest terms are close to 2^top and whose one small
+    value's last bit sweeps across the plain and the quanta runs' bounds: a run that took a block beyond its
+    bound would round that bit away. For float32 squares, whose runs are quanta runs, the large values are
+    those whose squares' remainders under the quantum 2^-39 are all +57/128 of it, so the remainders' sum is
+    as large as it can be."""
+    generator = torch.Generator().manual_seed(seed)
+    eps = torch.finfo(dtype).eps
+    if dtype == torch.float32 and norm_type == 2.0:
+        m = torch.randint(int(1.5 * 2**23), 2**24, (200_000,), generator=generator, dtype=torch.int64)
+        m = m[(m * m) % 128 == 57]
+        large = m.double() * 2.0**-23
+    else:
+        large = 2 - eps * torch.randint(1, 4, (4096,), generator=generator).double()  # |x| < 2, squares < 4
+    blocks = []
+    for exponent in range(-4, -44, -1):
+        small = (1 + eps) * 2.0**exponent  # its last bit set: 2^(exponent - mantissa bits)
+        if small < torch.finfo(dtype).smallest_normal:
+            break
+        for _ in range(9):  # more than a run's 8,192 terms
+            block = large[torch.randint(0, len(large), (1024,), generator=generator)].clone()
+            block[torch.randint(0, 1024, (1,), generator=generator)] = small
+            blocks.append(block)
+    return torch.cat(blocks).to(dtype)
+
+
+@pytest.mark.parametrize("norm_type", ORDERS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_runs_stop_at_their_bounds(exact, dtype, norm_type):
+    t = runs_at_their_bounds(dtype, norm_type, seed=11)
+    assert kernel_sums([t], norm_type)[0] == exact_sum([t], norm_type)
+
+
 @pytest.mark.parametrize("norm_type", ORDERS)
 def test_the_same_bits_for_any_threads_order_and_views(exact, norm_type):
     whole = make_tensor((300_001,), torch.float32, seed=3)

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -72,6 +73,29 @@ inline double horizontal_sum(f64v v) {
     }
   }
   return lanes[0];
+}
+
+namespace detail {
+template <int kShift, typename V, size_t... kLane>
+inline V rotated(V v, std::index_sequence<kLane...>) {
+  return __builtin_shufflevector(v, v, ((kLane + kShift) % sizeof...(kLane))...);
+}
+template <int kShift, typename V, typename Op>
+inline V folded(V v, Op op) {
+  if constexpr (kShift == 0) {
+    return v;
+  } else {
+    constexpr size_t kLanes = sizeof(V) / sizeof(v[0]);
+    return folded<kShift / 2>(op(v, rotated<kShift>(v, std::make_index_sequence<kLanes>())), op);
+  }
+}
+}  // namespace detail
+
+// The lanes of v combined by op (max, min: associative and commutative), in log2(lanes) shuffles rather than a
+// lane-by-lane loop (64 instructions for the two bounds of a block's 32 16-bit lanes).
+template <typename V, typename Op>
+inline auto fold_lanes(V v, Op op) {
+  return detail::folded<static_cast<int>(sizeof(V) / sizeof(v[0]) / 2)>(v, op)[0];
 }
 
 inline f32v abs(f32v v) {

@@ -296,7 +296,7 @@ def parse_args(argv):
         "--exact",
         action="store_true",
         help="also time torchclip with exact norms (torchclip.set_exact_norm) on the rows that take a norm: "
-        "columns exact ms and exact x (exact / torchclip: the median of the rounds' paired ratios and its 95% "
+        "columns exact ms and exact x (exact / torchclip: the median of the rounds' paired ratios and its 95%% "
         "interval; across processes: bench/compare_builds.py --exact)",
     )
     parser.add_argument(
