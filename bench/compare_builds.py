@@ -3,6 +3,7 @@
     python bench/compare_builds.py --baseline /path/to/main-checkout [--candidate .] [--pairs 12] [--bar 1.05] \\
         [torchclip-bench options, e.g. --workload 10000x100 --rounds 5]
     python bench/compare_builds.py --exact [--candidate .] [--pairs 12] [--bar 1.05] [torchclip-bench options]
+    python bench/compare_builds.py [--baseline TREE] [--candidate .] --step sgd-fused --workload 24x1M [--bar 1.05]
 
 Each build is a source tree with its extension built in place (`setup.py build_ext --inplace`). Two builds cannot
 share one process (both register torch.ops.torchclip), and one process freezes one memory placement (which pages
@@ -13,7 +14,10 @@ rounds); the table gives the median ratio over the pairs and its 95% bootstrap i
 (torchclip/bench/intervals.py).
 A row meets --bar when the interval's upper end is under it. With --exact there is no baseline: every run is
 `torchclip-bench --exact` of the candidate, and its ratio is exact norms over today's norms, timed interleaved in
-that process; the runs are the pairs.
+that process; the runs are the pairs. With --step (torchclip-bench --step: what clipping adds to an optimizer
+step), each run's own figure is the reads the folded clip adds (its rows' "torchclip added"), so the table gives
+each build's median and interval of those, a row meeting --bar when the candidate's upper end is under it, and,
+with a baseline, the candidate / baseline ratio of the clipped step's time.
 
 --instructions adds each row's instructions per call under callgrind (bench/instructions.py; one run per row and
 build, AVX2 kernels), which no neighbour disturbs: the measure that settles rows bound by host work.
@@ -45,7 +49,8 @@ def _load(path: str, name: str):
     return module
 
 
-ratio_interval = _load(os.path.join(HERE, "..", "torchclip", "bench", "intervals.py"), "intervals").ratio_interval
+_intervals = _load(os.path.join(HERE, "..", "torchclip", "bench", "intervals.py"), "intervals")
+ratio_interval, median_interval = _intervals.ratio_interval, _intervals.median_interval
 collected = _load(os.path.join(HERE, "instructions.py"), "instructions").collected
 
 
@@ -54,28 +59,36 @@ def run_bench(tree: str, bench_args: list[str], out: str) -> list[dict]:
     command = [sys.executable, "-m", "torchclip.bench", "--json", out, *bench_args]
     subprocess.run(command, cwd=tree, check=True, stdout=subprocess.DEVNULL)
     with open(out) as f:
-        return json.load(f)["rows"]
+        written = json.load(f)
+    return written["step_rows"] if "step_rows" in written else written["rows"]
 
 
 def key(row: dict) -> tuple:
-    return row["workload"], row["op"], row["dtype"], row["threads"]
+    return row["workload"], row["optimizer"] if "optimizer" in row else row["op"], row["dtype"], row["threads"]
 
 
 def collect(args, bench_args, trees) -> tuple[dict, dict, dict]:
-    """Per row: the baseline's and the candidate's time of each pair, and torch's of every run."""
-    base: dict[tuple, list[float]] = {}
-    cand: dict[tuple, list[float]] = {}
+    """Per row: the baseline's and the candidate's time of each pair, and torch's of every run (--step: each
+    build's rows of every run, and the step's own time)."""
+    base: dict[tuple, list] = {}
+    cand: dict[tuple, list] = {}
     torch_ms: dict[tuple, list[float]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         for pair in range(args.pairs):
             if args.exact:
                 runs = [("candidate", [*bench_args, "--exact"])]
+            elif "baseline" not in trees:
+                runs = [("candidate", bench_args)]
             else:
                 order = ("baseline", "candidate") if pair % 2 == 0 else ("candidate", "baseline")
                 runs = [(build, bench_args) for build in order]
             for build, build_args in runs:
                 rows = run_bench(trees[build], build_args, os.path.join(scratch, f"{build}-{pair}.json"))
                 for row in rows:
+                    if args.step:
+                        torch_ms.setdefault(key(row), []).append(row["step_ms"])
+                        (base if build == "baseline" else cand).setdefault(key(row), []).append(row)
+                        continue
                     torch_ms.setdefault(key(row), []).append(row["torch_ms"])
                     if args.exact:
                         if row.get("exact_ms") is not None:
@@ -133,6 +146,50 @@ def print_instructions(args, trees, row_keys) -> None:
         print(f"| {' | '.join(str(k) for k in row_key)} | {a:,.0f} | {b:,.0f} | {b / a:.3f} |", flush=True)
 
 
+def print_step_table(args, base, cand, torch_ms) -> None:
+    """--step: per row, each build's median reads added by the folded clip and 95% interval over the runs."""
+    with_baseline = bool(base)
+    bar_column = "" if args.bar is None else " met |"
+    columns = "baseline added reads | candidate added reads | candidate / baseline step ms | 95% interval | "
+    print(
+        f"| optimizer | workload | dtype | threads | {columns if with_baseline else 'added reads | 95% interval | '}"
+        f"step alone ms |{bar_column}"
+    )
+    print(
+        "|---|---|---|---|"
+        + ("---|---|---:|---|" if with_baseline else "---:|---|")
+        + "---|"
+        + ("---|" if args.bar is not None else "")
+    )
+
+    def added(rows):
+        return median_interval([row["torchclip_added_reads"] for row in rows])
+
+    for row_key, rows in cand.items():
+        workload, optimizer, dtype, threads = row_key
+        median, low, high = added(rows)
+        cells = [optimizer, workload, dtype, str(threads)]
+        if with_baseline:
+            if len(base.get(row_key, [])) != len(rows):
+                continue
+            b_median, b_low, b_high = added(base[row_key])
+            ratio, r_low, r_high = ratio_interval(
+                [row["torchclip_step_ms"] for row in rows], [row["torchclip_step_ms"] for row in base[row_key]]
+            )
+            cells += [
+                f"{b_median:.3f} ({b_low:.3f}-{b_high:.3f})",
+                f"{median:.3f} ({low:.3f}-{high:.3f})",
+                f"{ratio:.3f}",
+                f"{r_low:.3f}-{r_high:.3f}",
+            ]
+        else:
+            cells += [f"{median:.3f}", f"{low:.3f}-{high:.3f}"]
+        t = torch_ms[row_key]
+        cells.append(f"{min(t):.2f}-{max(t):.2f}")
+        met = "" if args.bar is None else (" yes |" if high < args.bar else " no |")
+        print(f"| {' | '.join(cells)} |{met}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", help="source tree of the baseline build")
@@ -155,8 +212,15 @@ def main(argv=None) -> int:
         "would refuse, every build still times every row",
     )
     args, bench_args = parser.parse_known_args(argv)
-    if args.exact == (args.baseline is not None):
-        parser.error("give --baseline TREE (two builds) or --exact (exact norms against today's), not both")
+    args.step = "--step" in bench_args or any(arg.startswith("--step=") for arg in bench_args)
+    if args.exact and (args.baseline is not None or args.step):
+        parser.error("--exact compares exact norms with today's in one build: no --baseline, no --step")
+    if not args.exact and args.baseline is None and not args.step:
+        parser.error(
+            "give --baseline TREE (two builds), --exact (exact norms against today's) or --step (reads a clip adds)"
+        )
+    if args.step and args.instructions:
+        parser.error("--instructions counts the clip rows' calls, not --step's")
     if args.pairs < 2:
         parser.error("--pairs must be at least 2: an interval needs more than one ratio")
     if args.instructions and shutil.which("valgrind") is None:
@@ -165,6 +229,13 @@ def main(argv=None) -> int:
     if args.baseline is not None:
         trees["baseline"] = os.path.abspath(args.baseline)
     base, cand, torch_ms = collect(args, bench_args, trees)
+    if args.step:
+        runs = f"{args.pairs} {'pairs' if args.baseline else 'runs'}"
+        where = f"candidate {trees['candidate']}" + ("" if args.baseline is None else f"\nbaseline {trees['baseline']}")
+        print(f"{where}\n{runs}; added reads: (clipped step - step alone) / get_total_norm, median and 95% bootstrap")
+        print(f"interval over the runs{'' if args.bar is None else f'; met: the interval under {args.bar}'}\n")
+        print_step_table(args, base, cand, torch_ms)
+        return 0
     what = "exact / today" if args.exact else "candidate / baseline"
     where = f"candidate {trees['candidate']}" + ("" if args.exact else f"\nbaseline {trees['baseline']}")
     print(

@@ -368,6 +368,20 @@ def test_compare_builds_exact_prints_an_interval_per_row():
 
 
 @needs_bench_scripts
+def test_compare_builds_step_gives_each_builds_added_reads_and_the_step_ratio():
+    """--step: the rows of torchclip-bench --step, each build's reads added by the folded clip over the runs and
+    the clipped step's candidate / baseline time (one tree as both builds: two fresh processes a pair)."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    argv = ["--baseline", str(root), "--pairs", "2", "--bar", "1000", "--step", "sgd-fused", "--workload", "10000x100"]
+    result = python_cli(str(root / "bench" / "compare_builds.py"), *argv, "--rounds", "2", cwd=root)
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| sgd-fused | 10000x100 | float32 |")]
+    assert len(rows) == 1 and rows[0].rstrip().endswith("| yes |"), result.stdout
+    cells = [cell.strip() for cell in rows[0].split("|")[1:-1]]
+    assert len(cells) == 10 and float(cells[6]) > 0, cells  # (candidate / baseline step ms)
+
+
+@needs_bench_scripts
 def test_instruction_count_driver_makes_the_rows_call_and_its_summary_is_read():
     root = pathlib.Path(__file__).resolve().parent.parent
     argv = ["--workload", "10000x100", "--op", "ClipGradByValue", "--calls", "2"]

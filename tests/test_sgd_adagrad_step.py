@@ -7,6 +7,7 @@ storage type, which is torch 2.14's 16-bit arithmetic (float32 opmath) on every 
 skips whole 16-bit vectors in its fused SGD (pytorch#191763)."""
 
 import itertools
+import math
 import os
 import subprocess
 import sys
@@ -101,6 +102,48 @@ def test_sgd_found_inf_leaves_everything():
     hyperparameters = {"lr": 0.1, "weight_decay": 0.1, "momentum": 0.9, "dampening": 0.0, "nesterov": True}
     assert _ops.sgd_step_(*lists, maximize=False, is_first_step=False, found_inf=torch.tensor(1.0), **hyperparameters)
     assert all(torch.equal(a, b) for x, y in zip(lists, before) for a, b in zip(x, y))
+
+
+# Scales whose reciprocals round far from 1 / scale, powers of two, a subnormal, scales that send quotients out
+# of float32's range both ways, and the ones no GradScaler passes but a division still defines.
+DIVISION_SCALES = [
+    1.7,
+    3.0,
+    0.1,
+    1 / 3,
+    float.fromhex("0x1.fffffep0"),
+    float.fromhex("0x1.000002p0"),
+    2.0**-130,
+    2.0**100,
+    1e-38,
+    3e38,
+    0.0,
+    math.inf,
+    math.nan,
+]
+
+
+@pytest.mark.parametrize("scale", DIVISION_SCALES)
+def test_a_scaled_gradient_is_divided_bit_for_bit(scale, cpu_capability):
+    """grad_scale divides the gradient as IEEE division does, torch's arithmetic, whatever the kernels do to save the
+    divider (a multiply by the reciprocal is off in about a third of these): every quotient, over random bit
+    patterns (subnormals, infinities, NaNs), every significand step of a binade's first 2^16 and signed zeros.
+    SGD with lr 1 from zero parameters stores -(g / scale)."""
+    generator = torch.Generator().manual_seed(0)
+    patterns = torch.randint(-(2**31), 2**31 - 1, (60000,), generator=generator, dtype=torch.int32)
+    significands = torch.arange(0x3F800000, 0x3F800000 + 2**16, dtype=torch.int32)
+    specials = torch.tensor([0.0, -0.0, 1.0, -1.0, math.inf, -math.inf, math.nan, 2.0**-149, 3.4028235e38])
+    grad = torch.cat([patterns.view(torch.float32), significands.view(torch.float32), specials])
+    param = torch.zeros_like(grad)
+    grad_scale = torch.tensor(scale, dtype=torch.float32)
+    hyperparameters = {"lr": 1.0, "weight_decay": 0.0, "momentum": 0.0, "dampening": 0.0, "nesterov": False}
+    assert _ops.sgd_step_(
+        [param], [grad], [], maximize=False, is_first_step=False, grad_scale=grad_scale, **hyperparameters
+    )
+    expected = torch.zeros_like(grad) - grad / grad_scale  # (adding zero as the step's multiply-add does)
+    assert torch.equal(param.isnan(), expected.isnan())
+    same = param.view(torch.int32) == expected.view(torch.int32)
+    assert bool((same | expected.isnan()).all()), grad[~(same | expected.isnan())][:5]
 
 
 # ---- adagrad_step_ ------------------------------------------------------------------------------------

@@ -12,16 +12,21 @@ def ratio_interval(
     numerators: list[float], denominators: list[float], confidence: float = 0.95, resamples: int = 4000
 ) -> tuple[float, float, float]:
     """(median, low, high): the median of the paired ratios numerators[i] / denominators[i] and its bootstrap
-    interval at `confidence` (the pairs resampled with replacement, the interval the middle `confidence` of the
-    resamples' medians; the same resamples every call, so a table is reproducible from its runs). A row meets a
-    bar when `high` is under it: a median under the bar on a lucky run does not."""
-    ratios = [n / d for n, d in zip(numerators, denominators)]
-    if len(ratios) < 2:
-        only = ratios[0] if ratios else math.nan
+    interval (median_interval). A row meets a bar when `high` is under it: a median under the bar on a lucky run
+    does not."""
+    return median_interval([n / d for n, d in zip(numerators, denominators)], confidence, resamples)
+
+
+def median_interval(values: list[float], confidence: float = 0.95, resamples: int = 4000) -> tuple[float, float, float]:
+    """(median, low, high): the median of one value per run and its bootstrap interval at `confidence` (the runs
+    resampled with replacement, the interval the middle `confidence` of the resamples' medians; the same resamples
+    every call, so a table is reproducible from its runs)."""
+    if len(values) < 2:
+        only = values[0] if values else math.nan
         return only, only, only
     draw = random.Random(0)
-    medians = sorted(statistics.median(draw.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    medians = sorted(statistics.median(draw.choices(values, k=len(values))) for _ in range(resamples))
     tail = (1 - confidence) / 2
     low = medians[int(tail * (resamples - 1))]
     high = medians[round((1 - tail) * (resamples - 1))]
-    return statistics.median(ratios), low, high
+    return statistics.median(values), low, high
