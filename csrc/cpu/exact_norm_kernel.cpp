@@ -217,6 +217,28 @@ TermRange term_range(const MagnitudeBounds& bounds) {
   }
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// With AVX2, bfloat16 bits go straight into float64's: the exponent and mantissa fields shifted into float64's
+// and the value scaled back by 2^(1023 - 127), exact for every finite value, subnormals included (the sign
+// cleared first; an inf or NaN block never reaches a run). One zero-extension and a shift per four values,
+// where widening to float32 and then to float64 took three instructions per eight and two converts: the plain
+// run's loop from 0.18 to 0.135 ns an element (in cache, one core). Not float16, whose F16C widening is faster
+// (0.126 against 0.147), nor AVX-512, where the two ways cost the same (0.10-0.11).
+template <typename T>
+constexpr bool kWidensStraight = std::is_same_v<T, c10::BFloat16>;
+
+inline f64v widened_straight(const c10::BFloat16* x) {
+  typedef uint16_t Quarter __attribute__((vector_size(kVectorBytes / 4)));
+  Quarter bits;
+  std::memcpy(&bits, x, sizeof(bits));
+  return (f64v)(__builtin_convertvector(bits & uint16_t{0x7fff}, u64v) << (52 - kTrailingBits<c10::BFloat16>)) *
+      0x1p896;
+}
+#else
+template <typename T>
+constexpr bool kWidensStraight = false;
+#endif
+
 // A run's terms at most: 512 per float64 lane of the quanta run's two accumulators (8,192 with AVX-512,
 // 4,096 with AVX2); kRunBits bounds its log2 on every ISA.
 constexpr int64_t kRunTerms = 512 * 2 * kBlock64;
@@ -253,12 +275,24 @@ class PlainRun {
     }
     f64v sums[4] = {sums_[0], sums_[1], sums_[2], sums_[3]};  // (in locals: see QuantaRun::add)
     int64_t i = 0;
-    for (; i + 2 * kBlock <= vectors; i += 2 * kBlock) {
-      add_vector(load_f32(x + i), sums[0], sums[1]);
-      add_vector(load_f32(x + i + kBlock), sums[2], sums[3]);
-    }
-    if (i < vectors) {
-      add_vector(load_f32(x + i), sums[0], sums[1]);
+    if constexpr (kWidensStraight<T>) {
+      for (; i + 4 * kBlock64 <= vectors; i += 4 * kBlock64) {
+        for (int k = 0; k < 4; ++k) {
+          add_term(widened_straight(x + i + k * kBlock64), sums[k]);
+        }
+      }
+      if (i < vectors) {  // (vectors is whole float32 vectors: two float64 ones)
+        add_term(widened_straight(x + i), sums[0]);
+        add_term(widened_straight(x + i + kBlock64), sums[1]);
+      }
+    } else {
+      for (; i + 2 * kBlock <= vectors; i += 2 * kBlock) {
+        add_vector(load_f32(x + i), sums[0], sums[1]);
+        add_vector(load_f32(x + i + kBlock), sums[2], sums[3]);
+      }
+      if (i < vectors) {
+        add_vector(load_f32(x + i), sums[0], sums[1]);
+      }
     }
     if (bound_bits > 53 && !(total_of(sums) < std::ldexp(1.0, lowest_bit + 53))) {
       return false;  // (the run's own sums untouched)
@@ -283,14 +317,12 @@ class PlainRun {
   static void add_vector(f32v v, f64v& sum_low, f64v& sum_high) {
     f64v low, high;
     halves_of<kKind>(v, low, high);
-    if constexpr (kKind == NormKind::Two) {
-      sum_low += low * low;
-      sum_high += high * high;
-    } else {
-      sum_low += low;
-      sum_high += high;
-    }
+    add_term(low, sum_low);
+    add_term(high, sum_high);
   }
+
+  // A magnitude's term (|x| for p = 1, x^2 for p = 2) into a sum.
+  static void add_term(f64v magnitude, f64v& sum) { sum += kKind == NormKind::Two ? magnitude * magnitude : magnitude; }
 
   f64v sums_[4] = {};
   int64_t terms_ = 0;
