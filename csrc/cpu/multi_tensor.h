@@ -15,7 +15,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <thread>
 #include <vector>
 
 #include "kernel_table.h"
@@ -126,27 +128,83 @@ inline void for_each_piece(const ChunkPlan& plan, const TensorSpan* spans, F&& f
   }
 }
 
+// When threads lose a call: OpenMP's parallel region ends only when every thread has arrived, and a thread whose
+// core a busy neighbour (a data loader's worker) holds arrives a timeslice late, however little is left for it: 2,000
+// x 64x64's get_total_norm took 5-7 ms on 2 threads beside a spinning process where it took 1.4 ms on one, in two
+// runs of three, and torch's own ops do the same. A call that the threads made slower than its calling thread alone
+// would have been (its own rate over every item) by more than kLostBy sends the next calls to the calling thread
+// alone, 2, 4, 8 and then 16 of them before threads are tried again, and a call the threads won resets that.
+// Process-wide: one neighbour slows every call alike.
+class ThreadsLosing {
+ public:
+  // Whether this call should run on the calling thread alone (counted down when so).
+  static bool solo_now() {
+    int left = solo_left().load(std::memory_order_relaxed);
+    while (left > 0 && !solo_left().compare_exchange_weak(left, left - 1, std::memory_order_relaxed)) {
+    }
+    return left > 0;
+  }
+
+  // A parallel call's outcome: it took `total` seconds, the calling thread ran `own` items of `count` and was done
+  // with them `own_done` seconds in.
+  static void record(double total, double own_done, int64_t own, int64_t count) {
+    if (own > 0 && total * static_cast<double>(own) > kLostBy * own_done * static_cast<double>(count)) {
+      const int next = std::min(2 * std::max(backoff().load(std::memory_order_relaxed), 1), kMaxSoloCalls);
+      backoff().store(next, std::memory_order_relaxed);
+      solo_left().store(next, std::memory_order_relaxed);
+    } else {
+      backoff().store(0, std::memory_order_relaxed);
+    }
+  }
+
+ private:
+  static constexpr double kLostBy = 2.0;  // (a call a little slower on threads is not worth giving them up)
+  static constexpr int kMaxSoloCalls = 16;
+  static std::atomic<int>& solo_left() {
+    static std::atomic<int> value{0};
+    return value;
+  }
+  static std::atomic<int>& backoff() {
+    static std::atomic<int> value{0};
+    return value;
+  }
+};
+
 // Calls work(i) once for each i in [0, count): on this thread alone when threads <= 1 (or inside a parallel
-// region), else on `threads` of torch's intra-op threads, each taking the next i from a shared counter when it
-// has finished one. A static split (thread t takes the t-th share) made every call wait for its slowest thread,
-// and a thread is slow whenever another process shares its core (a data loader's worker beside training);
-// taken one at a time, the items go to whichever thread is running. Nothing may depend on which thread ran an
-// item: each item's result has its own slot, combined in item order (or, for exact sums, in any order).
+// region, or while ThreadsLosing says so), else on `threads` of torch's intra-op threads, each taking the next i
+// from a shared counter when it has finished one. A static split (thread t takes the t-th share) made every call
+// wait for its slowest thread, and a thread is slow whenever another process shares its core (a data loader's
+// worker beside training); taken one at a time, the items go to whichever thread is running. Nothing may depend
+// on which thread ran an item: each item's result has its own slot, combined in item order (or, for exact sums,
+// in any order).
 template <typename Work>
 inline void parallel_for_each_item(int64_t count, int64_t threads, const Work& work) {
-  if (threads <= 1 || count <= 1 || at::in_parallel_region()) {
+  if (threads <= 1 || count <= 1 || at::in_parallel_region() || ThreadsLosing::solo_now()) {
     for (int64_t i = 0; i < count; ++i) {
       work(i);
     }
     return;
   }
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  const auto caller = std::this_thread::get_id();
   std::atomic<int64_t> next{0};
+  int64_t own = 0;
+  Clock::time_point own_done = start;
   at::parallel_for(0, std::min(threads, count), 1, [&](int64_t, int64_t) {
+    int64_t taken = 0;
     for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < count;
         i = next.fetch_add(1, std::memory_order_relaxed)) {
       work(i);
+      ++taken;
+    }
+    if (std::this_thread::get_id() == caller) {
+      own = taken;
+      own_done = Clock::now();
     }
   });
+  const std::chrono::duration<double> total = Clock::now() - start, own_time = own_done - start;
+  ThreadsLosing::record(total.count(), own_time.count(), own, count);
 }
 
 // Calls visit(piece) exactly once per piece, from torch's intra-op thread pool, chunk by chunk

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cpu/kernel_loader.h"
+#include "cpu/multi_tensor.h"
 
 namespace {
 
@@ -45,6 +46,33 @@ double reference_total_norm(const std::vector<at::Tensor>& tensors, double ord) 
 
 }  // namespace
 
+// ThreadsLosing (multi_tensor.h): a call the threads made more than twice as slow as the calling thread alone would
+// have been sends the next 2, 4, 8, 16 (at most) calls to the calling thread; one they won resets that.
+void test_threads_losing() {
+  using torchclip::cpu::ThreadsLosing;
+  const auto solo_calls = [] {
+    int calls = 0;
+    while (ThreadsLosing::solo_now()) {
+      ++calls;
+    }
+    return calls;
+  };
+  expect(solo_calls() == 0, "threads: no solo calls before any was lost");
+  ThreadsLosing::record(1.0, 0.5, 1, 2);  // 1.0 s against the caller's 1.0 alone: not lost by 2x
+  expect(solo_calls() == 0, "threads: a call lost by less than 2x keeps the threads");
+  const int expected[] = {2, 4, 8, 16, 16};
+  for (int lost : expected) {
+    ThreadsLosing::record(5.0, 0.5, 1, 2);  // 5.0 s against 1.0
+    expect(solo_calls() == lost, "threads: a lost call sends the next " + std::to_string(lost) + " calls solo");
+  }
+  ThreadsLosing::record(0.6, 0.5, 1, 2);  // won
+  ThreadsLosing::record(5.0, 0.5, 1, 2);
+  expect(solo_calls() == 2, "threads: a won call resets the backoff");
+  ThreadsLosing::record(5.0, 0.0, 0, 2);  // the caller took nothing: no rate to compare with
+  ThreadsLosing::record(0.1, 0.1, 2, 2);
+  expect(solo_calls() == 0, "threads: a call without the caller's items decides nothing");
+}
+
 int main(int argc, char** argv) {
   if (argc != 3) {
     std::cerr << "usage: " << argv[0] << " <kernel module> <capability>\n";
@@ -56,6 +84,7 @@ int main(int argc, char** argv) {
   }
   const std::string capability = torchclip::load_cpu_kernels(argv[1]);
   expect(capability == argv[2], "loaded capability " + capability);
+  test_threads_losing();
 
   auto norm_op = c10::Dispatcher::singleton()
                      .findSchemaOrThrow("torchclip::multi_tensor_norm", "")
