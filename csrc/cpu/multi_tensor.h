@@ -17,6 +17,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -134,11 +136,15 @@ inline void for_each_piece(const ChunkPlan& plan, const TensorSpan* spans, F&& f
 // runs of three, and torch's own ops do the same. A call that the threads made slower than its calling thread alone
 // would have been (its own rate over every item) by more than kLostBy sends the next calls to the calling thread
 // alone, 2, 4, 8 and then 16 of them before threads are tried again, and a call the threads won resets that.
-// Process-wide: one neighbour slows every call alike.
+// Process-wide: one neighbour slows every call alike. TORCHCLIP_THREAD_BACKOFF=0 keeps the threads on every call
+// (the tests set it, so that their 2-thread cases run on 2 threads however busy the machine is).
 class ThreadsLosing {
  public:
   // Whether this call should run on the calling thread alone (counted down when so).
   static bool solo_now() {
+    if (!enabled()) {
+      return false;
+    }
     int left = solo_left().load(std::memory_order_relaxed);
     while (left > 0 && !solo_left().compare_exchange_weak(left, left - 1, std::memory_order_relaxed)) {
     }
@@ -148,6 +154,9 @@ class ThreadsLosing {
   // A parallel call's outcome: it took `total` seconds, the calling thread ran `own` items of `count` and was done
   // with them `own_done` seconds in.
   static void record(double total, double own_done, int64_t own, int64_t count) {
+    if (!enabled()) {
+      return;
+    }
     if (own > 0 && total * static_cast<double>(own) > kLostBy * own_done * static_cast<double>(count)) {
       const int next = std::min(2 * std::max(backoff().load(std::memory_order_relaxed), 1), kMaxSoloCalls);
       backoff().store(next, std::memory_order_relaxed);
@@ -160,6 +169,13 @@ class ThreadsLosing {
  private:
   static constexpr double kLostBy = 2.0;  // (a call a little slower on threads is not worth giving them up)
   static constexpr int kMaxSoloCalls = 16;
+  static bool enabled() {
+    static const bool on = [] {
+      const char* setting = std::getenv("TORCHCLIP_THREAD_BACKOFF");
+      return setting == nullptr || std::string_view(setting) != "0";
+    }();
+    return on;
+  }
   static std::atomic<int>& solo_left() {
     static std::atomic<int> value{0};
     return value;
