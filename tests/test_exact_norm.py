@@ -503,9 +503,15 @@ def test_exact_true_is_refused_where_norms_are_not_exact(cpu_capability):
 
 
 def cuda_exact_cases(dtype):
-    """Lists around the CUDA kernels' sub-block (1,024) and chunk (65,536) edges, normal data and each
-    dtype's whole range with zeros, subnormals, and a strided view (ATen's path, copied dense)."""
+    """Lists around the CUDA kernels' sub-block (1,024) and chunk (65,536) edges, normal data, blocks whose
+    magnitudes move (each count of quanta levels a sub-block takes), each dtype's whole range with zeros,
+    subnormals, and a strided view (ATen's path, copied dense)."""
     tensors = [make_tensor((n,), dtype, seed=n, scale=0.1) for n in (1, 31, 1023, 1024, 1025, 65535, 65537, 300_001)]
+    tensors.append(blocks_whose_magnitudes_move(dtype, seed=7))
+    # Sub-blocks of normal values, each with one tiny value planted: 1, 2, 3 quanta levels and more (term by term)
+    planted = make_tensor((6, 1024), torch.float64, seed=11)
+    planted[:, 100] = torch.tensor([2.0**-10, 2.0**-30, 2.0**-50, 2.0**-70, 2.0**-110, 2.0**-130])
+    tensors.append(planted.flatten().to(dtype))
     tensors.append(wide_range(dtype, 70_000, seed=5))
     tensors.append(make_tensor((4000,), dtype, seed=6, layout="strided"))
     tensors.append(torch.zeros(0, dtype=dtype))
@@ -534,6 +540,22 @@ def test_cuda_gives_the_cpu_bits(dtype, norm_type):
     assert torch.equal(torchclip.clip_grad_norm_(cuda_params, 0.5, norm_type, exact=True).cpu(), expected)
     for p, q in zip(params, cuda_params):
         assert torch.equal(q.grad.cpu(), p.grad)
+
+
+@cuda_only
+@pytest.mark.parametrize("norm_type", ORDERS)
+def test_cuda_exact_over_more_tensors_than_one_launch_takes(norm_type):
+    """1,000 tensors (a launch's table takes 864): tensors of several chunks among them, on both sides of the
+    tables' edge, and a complex one (its 1-norm one term of the total): each norm and the total as the CPU's."""
+    sizes = [1 + (i * 37) % 3000 for i in range(1000)]
+    for i in (5, 500, 863, 864, 999):
+        sizes[i] = 3 * 65536 + 17
+    tensors = [make_tensor((n,), torch.float32, seed=i, scale=0.1) for i, n in enumerate(sizes)]
+    tensors[300] = torch.complex(make_tensor((700,), torch.float32, seed=1), make_tensor((700,), torch.float32, seed=2))
+    total, per_tensor = _ops.multi_tensor_norm(tensors, norm_type, exact=True)
+    cuda_total, cuda_per_tensor = _ops.multi_tensor_norm([t.cuda() for t in tensors], norm_type, exact=True)
+    assert torch.equal(cuda_per_tensor.cpu(), per_tensor)
+    assert torch.equal(cuda_total.cpu(), total)
 
 
 @cuda_only
@@ -606,14 +628,19 @@ def test_agc_refuses_exact_where_its_norms_are_not_exact(cpu_capability):
     assert torch.equal(grad.detach(), torch.full((4, 3), 5.0))
 
 
-def test_square_roots_halfway_between_two_floats_round_to_even(cpu_capability):
-    # a^2 + b^2 = h^2 with h a 54-bit odd integer: sqrt is exactly halfway between two float64 values.
+def test_square_roots_halfway_between_two_floats_round_to_even(device):
+    # a^2 + b^2 = h^2 with h a 54-bit odd integer: sqrt is exactly halfway between two float64 values. With a
+    # tiny third term the sum's digits are too wide for one 128-bit integer: the comparison with the midpoint's
+    # square then goes digit by digit, and the tiny term, in the sum's last digits, rounds the root up.
     for m in range(int(2**26.6), int(2**26.6) + 40):
         n = m // 2 + (1 if m % 2 == (m // 2) % 2 else 0)  # opposite parity: h odd
         legs = torch.tensor([float(m * m - n * n), float(2 * m * n)], dtype=torch.float64)
         h = m * m + n * n
         assert h.bit_length() == 54 and h % 2 == 1
         for scale in (1.0, 2.0**-600, 2.0**400):
-            norm = _ops.multi_tensor_norm([legs * scale], 2.0, exact=True)[1].item()
+            terms = (legs * scale).to(device)
+            norm = _ops.multi_tensor_norm([terms], 2.0, exact=True)[1].item()
             assert norm == sqrt_rounded(exact_sum([legs * scale], 2.0)), (m, n, scale)
             assert norm in (float(h - 1) * scale, float(h + 1) * scale) and float_bits(norm) % 2 == 0
+            with_tiny = torch.cat([terms, torch.tensor([2.0**-400 * scale], dtype=torch.float64, device=device)])
+            assert _ops.multi_tensor_norm([with_tiny], 2.0, exact=True)[1].item() == float(h + 1) * scale

@@ -47,19 +47,22 @@ void total_norm(const double* norms, int64_t count, NormOrder order, double* tot
     double max_norm, double eps, bool skip_nonfinite, cudaStream_t stream);
 
 // Exact norms, kind One or Two (cpu/exact_norm_kernel.cpp's, the same bits): norms[spans[k].index] =
-// each span's norm correctly rounded (NaN where it holds a NaN, else inf where an inf; norms may be null),
-// and where total is not null, *total = the total over every list position [0, list_size) rounded once
-// and *coefficient as total_norm's (coefficient may be null). `accumulators` holds list_size zeroed
-// accumulators of kExactAccumulatorWords int64s (ExactSum's digits, then NaN/inf flags), `arrivals`
-// list_size zeroed int32s. Positions with no span count as zero.
+// each span's norm correctly rounded (NaN where it holds a NaN, else inf where an inf; norms may be null,
+// and positions with no span are left as they are), and where total is not null, *total = the total over
+// every span (and every exact_add_norm before it) rounded once and *coefficient as total_norm's
+// (coefficient may be null). `accumulators` holds exact_accumulator_rows() zeroed rows of
+// kExactAccumulatorWords int64s (ExactSum's digits, then NaN/inf flags): the total's, then, where norms
+// are asked for, one per chunk of the spans longer than one chunk (norm_slot_count's numbering); `arrivals`
+// one zeroed int32 per list position where norms are asked for (else it may be null).
 constexpr int64_t kExactAccumulatorWords = 137;
-void exact_norms(const DeviceSpan* spans, int64_t count, NormKind kind, int64_t list_size, double* norms, double* total,
+int64_t exact_accumulator_rows(const DeviceSpan* spans, int64_t count, bool per_tensor_norms);
+void exact_norms(const DeviceSpan* spans, int64_t count, NormKind kind, double* norms, double* total,
     double* coefficient, double max_norm, double eps, bool skip_nonfinite, int64_t* accumulators, int32_t* arrivals,
     cudaStream_t stream);
 
-// The float64 *value (a device number: the 1-norm of a tensor no span covers, a complex one) as the one term
-// of list position `position` in exact_norms' accumulators, and norms[position] = *value (norms may be null).
-// Launched before exact_norms on the same accumulators.
+// The float64 *value (a device number: the 1-norm of a tensor no span covers, a complex one) as one term of
+// exact_norms' total, and norms[position] = *value (norms may be null). Launched before exact_norms on the
+// same accumulators.
 void exact_add_norm(const double* value, int64_t position, int64_t* accumulators, double* norms, cudaStream_t stream);
 
 // Per-tensor clipping coefficients from per-tensor 2-norms: scales[i] = 1 where norms[i] <= max_norm,

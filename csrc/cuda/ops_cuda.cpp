@@ -160,16 +160,18 @@ bool exact_norms_into(at::TensorList tensors, const DeviceSplit& split, double o
   if (coefficient != nullptr) {
     *coefficient = at::empty({}, options);
   }
-  const at::Tensor accumulators = at::zeros({count, cuda::kExactAccumulatorWords}, options.dtype(at::kLong));
-  const at::Tensor arrivals = at::zeros({count}, options.dtype(at::kInt));
+  const int64_t span_count = static_cast<int64_t>(spans.size());
+  const int64_t rows = cuda::exact_accumulator_rows(spans.data(), span_count, norms != nullptr);
+  const at::Tensor accumulators = at::zeros({rows, cuda::kExactAccumulatorWords}, options.dtype(at::kLong));
+  const at::Tensor arrivals = rows > 1 ? at::zeros({count}, options.dtype(at::kInt)) : at::Tensor();
   for (const auto& [position, value] : added_norms) {
     cuda::exact_add_norm(value.data_ptr<double>(), position, accumulators.data_ptr<int64_t>(),
         norms != nullptr ? norms->data_ptr<double>() : nullptr, stream);
   }
-  cuda::exact_norms(spans.data(), static_cast<int64_t>(spans.size()), ord == 1.0 ? NormKind::One : NormKind::Two, count,
+  cuda::exact_norms(spans.data(), span_count, ord == 1.0 ? NormKind::One : NormKind::Two,
       norms != nullptr ? norms->data_ptr<double>() : nullptr, total != nullptr ? total->data_ptr<double>() : nullptr,
       coefficient != nullptr ? coefficient->data_ptr<double>() : nullptr, max_norm, eps, skip_nonfinite,
-      accumulators.data_ptr<int64_t>(), arrivals.data_ptr<int32_t>(), stream);
+      accumulators.data_ptr<int64_t>(), rows > 1 ? arrivals.data_ptr<int32_t>() : nullptr, stream);
   return true;
 }
 
