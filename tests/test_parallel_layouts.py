@@ -17,7 +17,7 @@ import torchclip.optim
 
 if dist.is_available():
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
     from torch.distributed.tensor.debug import CommDebugMode
 
 SHAPES = [(64, 32), (32,), (128, 8), (8,), (1000,), (4, 6, 3), (16, 16), (12,)]
@@ -29,20 +29,31 @@ def full_gradients():
     return [torch.randn(s, generator=generator) for s in SHAPES]
 
 
+def local_piece(full, mesh, placements):
+    """This rank's piece of `full` under `placements` (Shard cuts as torch.chunk does, mesh dimension by mesh
+    dimension; Replicate and Partial keep it whole), cut here without a collective: gloo moves no CUDA tensor
+    for DTensor's scatter and broadcast (on an H200 the CUDA layouts' processes died of SIGSEGV in them)."""
+    piece = full
+    for dim, placement in enumerate(placements):
+        if placement.is_shard():
+            chunks = torch.chunk(piece, mesh.size(dim), dim=placement.dim)
+            rank = mesh.get_local_rank(dim)
+            piece = chunks[rank] if rank < len(chunks) else piece.narrow(placement.dim, 0, 0)
+    return piece.clone()
+
+
 def on_mesh(full, mesh, placements):
     """A parameter (zeros) and its gradient (full's pieces) as DTensors; a Partial placement's gradient holds
     unequal parts whose reduction is the full value (weights 1/4 and 3/4 for a sum, 1/2 and 3/2 for avg)."""
+    local = local_piece(full, mesh, placements)
+    for dim, placement in enumerate(placements):
+        if placement.is_partial():
+            first = mesh.get_local_rank(dim) == 0
+            local *= (0.25 if first else 0.75) if placement.reduce_op == "sum" else (0.5 if first else 1.5)
     plain_placements = [Replicate() if p.is_partial() else p for p in placements]
-    param = torch.nn.Parameter(distribute_tensor(torch.zeros_like(full), mesh, plain_placements))
-    grad = distribute_tensor(full.clone(), mesh, plain_placements)
-    if any(p.is_partial() for p in placements):
-        local = grad.to_local().clone()
-        for dim, placement in enumerate(placements):
-            if placement.is_partial():
-                first = mesh.get_local_rank(dim) == 0
-                local *= (0.25 if first else 0.75) if placement.reduce_op == "sum" else (0.5 if first else 1.5)
-        grad = DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
-    param.grad = grad
+    shape = {"run_check": False, "shape": full.shape, "stride": full.stride()}
+    param = torch.nn.Parameter(DTensor.from_local(torch.zeros_like(local), mesh, plain_placements, **shape))
+    param.grad = DTensor.from_local(local, mesh, placements, **shape)
     return param
 
 
@@ -238,11 +249,20 @@ def cuda_layouts(mesh, full):
     yield "hand shards", mine, dist.group.WORLD
 
 
+def full_on_cpu(grad, cpu_mesh):
+    """A CUDA gradient's full value on the CPU: a DTensor's local piece gathered over gloo as a CPU DTensor."""
+    if not isinstance(grad, DTensor):
+        return grad.cpu()
+    shape = {"run_check": False, "shape": grad.shape, "stride": grad.stride()}
+    return DTensor.from_local(grad.to_local().cpu(), cpu_mesh, grad.placements, **shape).full_tensor()
+
+
 def cuda_layout_worker(rank, world, init_method):
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("dp",))
+        cpu_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
         full = full_gradients()
         on_gpu = [g.cuda() for g in full]
         for name, params, group in cuda_layouts(mesh, on_gpu):
@@ -253,7 +273,7 @@ def cuda_layout_worker(rank, world, init_method):
             torch.testing.assert_close(total.cpu(), expected, rtol=1e-6, atol=0, msg=name)
             if group is None:
                 for p, q in zip(params, reference):
-                    torch.testing.assert_close(as_full(p.grad).cpu(), q.grad, rtol=1e-6, atol=1e-9, msg=name)
+                    torch.testing.assert_close(full_on_cpu(p.grad, cpu_mesh), q.grad, rtol=1e-6, atol=1e-9, msg=name)
         for name, params, group in cuda_layouts(mesh, on_gpu):
             got = torchclip.get_total_norm([p.grad for p in params], exact=True, process_group=group)
             assert torch.equal(got.cpu(), torchclip.get_total_norm(full, exact=True)), name

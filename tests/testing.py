@@ -284,7 +284,7 @@ def params_with(grads):
     """A parameter for each gradient (zeros of its shape and dtype), holding it as .grad, not a copy."""
     params = []
     for g in grads:
-        p = torch.nn.Parameter(torch.zeros(g.shape, dtype=g.dtype))
+        p = torch.nn.Parameter(torch.zeros(g.shape, dtype=g.dtype, device=g.device))
         p.grad = g
         params.append(p)
     return params
