@@ -7,6 +7,9 @@ torch.profiler. Run on a machine with a GPU: python bench/cuda_host_cost.py [--w
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import time
 
@@ -59,10 +62,15 @@ def launches(fn):
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workload", action="append", help="repeatable; default 10000x100")
-    parser.add_argument("--breakdown", action="store_true", help="also torch.profiler's table of each case's host time")
+    parser.add_argument("--dtype", action="append", help="repeatable; default float32")
+    parser.add_argument("--case", action="append", help="repeatable: only these cases (names as printed)")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="also torch.profiler's table and cProfile's of two cases' host time"
+    )
     args = parser.parse_args()
     for workload in args.workload or ["10000x100"]:
-        report(workload, args.breakdown)
+        for dtype in args.dtype or ["float32"]:
+            report(workload, getattr(torch, dtype), args.case, args.breakdown)
 
 
 def breakdown(fn, calls=5):
@@ -77,9 +85,23 @@ def breakdown(fn, calls=5):
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10)
 
 
-def report(workload, with_breakdown=False):
+def python_profile(fn, calls=200):
+    """cProfile's functions of `calls` calls by their own time: the Python side of a call (a C++ op is
+    one entry, its time included)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(12)
+    return text.getvalue()
+
+
+def report(workload, dtype, only=None, with_breakdown=False):
     label, shapes = workloads.resolve(workload)
-    g = Grads(shapes, torch.float32, device="cuda")
+    g = Grads(shapes, dtype, device="cuda")
     ops = torch.ops.torchclip
     cases = {
         "clip_grad_norm_ (drop-in)": lambda: torchclip.clip_grad_norm_(g.params, 1e9),
@@ -87,6 +109,7 @@ def report(workload, with_breakdown=False):
             g.grads, 1e9, 2.0, False, 1e-6, False, "propagate"
         ),
         "get_total_norm (drop-in)": lambda: torchclip.get_total_norm(g.grads),
+        "get_total_norm (drop-in, exact)": lambda: torchclip.get_total_norm(g.grads, exact=True),
         "multi_tensor_norm (op on a list)": lambda: ops.multi_tensor_norm(g.grads, 2.0, False),
         "clip_grad_value_ (drop-in)": lambda: torchclip.clip_grad_value_(g.params, 1e9),
         "multi_tensor_clamp_ (op on a list)": lambda: ops.multi_tensor_clamp_(g.grads, -1e9, 1e9),
@@ -96,7 +119,8 @@ def report(workload, with_breakdown=False):
         "torch._foreach_norm (reference)": lambda: torch._foreach_norm(g.grads),
         "sum over one buffer (the bound)": lambda: g.flat.sum(),
     }
-    print(f"{label}: {len(shapes)} tensors on {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    cases = {name: fn for name, fn in cases.items() if only is None or name in only}
+    print(f"{label}, {dtype}: {len(shapes)} tensors on {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'case':38} {'host ms':>8} {'synced ms':>10} {'launches':>9} {'launch ms':>10} {'kernel ms':>10}")
     with torch.no_grad():
         for name, fn in cases.items():
@@ -104,8 +128,8 @@ def report(workload, with_breakdown=False):
             count, launch_ms, device_ms = launches(fn)
             print(f"{name:38} {host:8.3f} {total:10.3f} {count:9d} {launch_ms:10.3f} {device_ms:10.3f}")
         if with_breakdown:
-            for name in ("clip_grad_norm_ (drop-in)", "ClipGradByNorm"):
-                print(f"{label} {name}:\n{breakdown(cases[name])}")
+            for name in {"clip_grad_norm_ (drop-in)", "ClipGradByNorm"} & cases.keys():
+                print(f"{label} {name}:\n{breakdown(cases[name])}\n{python_profile(cases[name])}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 # One lease of a GPU machine (issue 19): build in place against the machine's torch, run the CUDA tests
 # and the rest of the suite, time the CUDA rows, break down the host cost. Logs go to $OUT (or bench/out).
 #
-#   bench/on_gpu.sh [build] [test] [suite] [bench] [host] [results] [training] [step] [exact-memory]
+#   bench/on_gpu.sh [build] [test] [suite] [bench] [host] [results] [training] [step] [exact-memory] [exact-cost]
+#                   [exact-profile]
 #   (default: build test bench host)
 #
 # The machine's default compiler wrapper (/opt/gcc/bin/g++) once built a _cuda module that crashed while
@@ -54,11 +55,29 @@ for step in "${steps[@]}"; do
         --json "$out/step-cuda.json" 2>&1 | tee "$out/step.txt" | tail -30
       ;;
     exact-memory)
-      # What the exact kernels' stack frames reserve on the device: free memory before and after the first launch
-      "$python" -c 'import torch, torchclip; g = [torch.randn(1 << 20, device="cuda")]; torch.cuda.synchronize()
+      # What the exact kernels' stack frames reserve on the device: free memory before and after the first exact
+      # launch, after a plain norm has loaded the module and the caching allocator has its first blocks
+      "$python" -c 'import torch, torchclip; g = [torch.randn(1 << 20, device="cuda")]
 free = lambda: torch.cuda.mem_get_info()[0] / 2**20
-torchclip.set_exact_norm(True); before = free(); torchclip.get_total_norm(g); torch.cuda.synchronize()
+torchclip.get_total_norm(g); torch.cuda.synchronize(); before = free()
+torchclip.get_total_norm(g, exact=True); torch.cuda.synchronize()
 print(f"exact norm: free device memory {before:.0f} MiB -> {free():.0f} MiB")' 2>&1 | tee "$out/exact_memory.txt"
+      ;;
+    exact-cost)
+      # Exact norms against today's on the device: host and kernel ms of get_total_norm with and without exact=True
+      "$python" bench/cuda_host_cost.py --workload gpt2_124m --workload resnet50 --workload 10000x100 --dtype float32 \
+        --dtype bfloat16 --case "get_total_norm (drop-in)" --case "get_total_norm (drop-in, exact)" 2>&1 \
+        | grep -v Warn | tee -a "$out/exact_cost.txt"
+      ;;
+    exact-profile)
+      # Nsight Compute on one exact launch over GPT-2's float32 gradients: throughput, occupancy, where warps stall
+      timeout 120 ncu --kernel-name regex:exact_norm_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+        --section Occupancy --section WarpStateStats --section LaunchStats "$python" -c 'import torch, torchclip
+from torchclip.bench import workloads
+from torchclip.bench.timing import Grads
+g = Grads(workloads.resolve("gpt2_124m")[1], torch.float32, device="cuda")
+for _ in range(4): torchclip.get_total_norm(g.grads, exact=True)
+torch.cuda.synchronize()' 2>&1 | tee "$out/exact_profile.txt" | tail -80
       ;;
     host)
       "$python" bench/cuda_host_cost.py --workload 10000x100 --workload gpt2_124m --workload resnet50 ${HOST_ARGS:-} 2>&1 | tee "$out/host_cost.txt"
