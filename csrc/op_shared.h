@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/linalg_vector_norm.h>
 #include <ATen/ops/ones.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/view_as_real.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/BFloat16.h>
@@ -21,6 +22,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <numeric>
 #include <optional>
 #include <string>
@@ -346,5 +348,50 @@ inline void check_norm_inputs(at::TensorList tensors, const std::vector<int64_t>
 // The message of the per-tensor clipping op when any norm is non-finite and the policy is "raise".
 constexpr const char* kTensorNormNonFinite =
     ": a gradient's norm is non-finite (NaN or inf), so it cannot be clipped; no gradient was changed";
+
+// ---- the fused optimizer steps (adam_step_, sgd_step_, adagrad_step_), on either device ----------------------
+
+// Each list beside the parameters must have one entry per parameter.
+inline void check_one_per_parameter(const char* op, size_t n,
+    std::initializer_list<std::pair<const char*, size_t>> lists) {
+  for (const auto& [name, size] : lists) {
+    TORCH_CHECK(size == n, op, ": ", name, " must have one entry per parameter (", n, "), got ", size);
+  }
+}
+
+// adam_step_'s lists: one entry per parameter each, max_exp_avg_sqs only with amsgrad.
+inline void check_adam_lists(const char* op, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList state_steps, bool amsgrad) {
+  const size_t n = params.size();
+  check_one_per_parameter(op, n,
+      {{"grads", grads.size()}, {"exp_avgs", exp_avgs.size()}, {"exp_avg_sqs", exp_avg_sqs.size()},
+          {"state_steps", state_steps.size()}});
+  TORCH_CHECK(max_exp_avg_sqs.size() == (amsgrad ? n : 0), op, ": max_exp_avg_sqs must have ",
+      amsgrad ? "one entry per parameter" : "no entries", " with amsgrad=", amsgrad ? "True" : "False", ", got ",
+      max_exp_avg_sqs.size());
+}
+
+// sgd_step_'s lists: grads one entry per parameter, momentum_buffers too where momentum is not 0, else none.
+inline void check_sgd_lists(const char* op, at::TensorList params, at::TensorList grads,
+    at::TensorList momentum_buffers, double momentum) {
+  const size_t n = params.size();
+  const bool has_momentum = momentum != 0.0;
+  check_one_per_parameter(op, n, {{"grads", grads.size()}});
+  TORCH_CHECK(momentum_buffers.size() == (has_momentum ? n : 0), op, ": momentum_buffers must have ",
+      has_momentum ? "one entry per parameter" : "no entries", " with momentum=", momentum, ", got ",
+      momentum_buffers.size());
+}
+
+// Whether `state` can be walked beside `param`: the same device, dtype, shape and element order, dense.
+inline bool walks_beside(const at::Tensor& state, const at::Tensor& param) {
+  return state.defined() && state.device() == param.device() && state.layout() == at::kStrided &&
+      state.scalar_type() == param.scalar_type() && state.sizes() == param.sizes() &&
+      state.strides() == param.strides() && !state.is_neg();
+}
+
+// A step op's answer: whether it took the step (false: nothing was written, the caller takes torch's).
+inline at::Tensor stepped(bool done) {
+  return at::scalar_tensor(done, at::kBool);
+}
 
 }  // namespace torchclip

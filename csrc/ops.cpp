@@ -43,19 +43,19 @@ TORCH_LIBRARY(torchclip, m) {
   m.def(
       "unitwise_clip_(Tensor(a!)[] grads, Tensor[] params, float clip_factor, float eps, float norm_type, "
       "bool? exact=None) -> ()");
-  // One step of torch.optim.Adam (AdamW with decoupled_weight_decay) with torch's fused CPU arithmetic,
-  // state_steps counted up by one first, each gradient divided by grad_scale as it is read and never
-  // written (torch's fused kernel writes the quotient back); found_inf == 1 leaves everything as it
-  // was, counts included (torch's step adds one, then takes found_inf off). Returns a 0-d bool: false,
-  // with nothing written, when the kernels do not walk the lists (a tensor off the CPU or of another
-  // dtype, state in another element order than its parameter, a scale or step that is not a float32
-  // CPU number); the caller then takes torch's own step.
+  // One step of torch.optim.Adam (AdamW with decoupled_weight_decay) with torch's fused arithmetic (its CPU
+  // kernels' on the CPU, torch 2.11's CUDA kernels' on CUDA), state_steps counted up by one first, each
+  // gradient divided by grad_scale as it is read and never written (torch's fused kernels write the quotient
+  // back); found_inf == 1 leaves everything as it was, counts included (torch's step adds one, then takes
+  // found_inf off). Returns a 0-d CPU bool: false, with nothing written, when the kernels do not walk the
+  // lists (a tensor off the parameters' device or of another dtype, state in another element order than its
+  // parameter, a scale or step that is not a float32 number on that device); the caller then takes torch's.
   m.def(
       "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] state_steps, *, float lr, float beta1, float beta2, "
       "float weight_decay, float eps, bool amsgrad, bool maximize, bool decoupled_weight_decay, "
       "Tensor? grad_scale=None, Tensor? found_inf=None) -> Tensor");
-  // One step of torch.optim.SGD with torch's fused CPU arithmetic, read-only on the gradients and declining
+  // One step of torch.optim.SGD with torch's fused arithmetic, read-only on the gradients and declining
   // as adam_step_ does; momentum_buffers is empty when momentum is 0, and is_first_step starts each buffer
   // as its (decayed) gradient.
   m.def(

@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 import torch
+from testing import cuda_only
 
 import torchclip
 from torchclip import ClipGradByGlobalNorm, _ops, _read_only_step
@@ -53,33 +54,92 @@ def torch_fused_step(lists, decoupled, grad_scale=None, found_inf=None, **hyperp
 OPTIONS = list(itertools.product([False, True], [False, True], [0.0, 0.1], [False, True], [None, 1.7], [0.9, 0.3]))
 
 
+def step_both(dtype, options, device="cpu"):
+    """One step of adam_step_ and of torch's fused kernel on copies of the same state on `device` (the gradients
+    only read by ours, the step counts the same): (ours, theirs)."""
+    amsgrad, maximize, weight_decay, decoupled, scale, beta1 = options
+    ours = [[t.to(device) for t in tensors] for tensors in state(dtype, amsgrad)]
+    theirs = copies(ours)
+    gradients = copies([ours[1]])[0]
+    grad_scale = None if scale is None else torch.tensor(scale, device=device)
+    hyperparameters = {
+        "lr": 1e-2,
+        "beta1": beta1,
+        "beta2": 0.999,
+        "weight_decay": weight_decay,
+        "eps": 1e-8,
+        "amsgrad": amsgrad,
+        "maximize": maximize,
+    }
+    assert _ops.adam_step_(*ours, decoupled_weight_decay=decoupled, grad_scale=grad_scale, **hyperparameters)
+    torch_fused_step(theirs, decoupled, grad_scale, **hyperparameters)
+    for ours_grad, gradient in zip(ours[1], gradients):
+        assert torch.equal(ours_grad, gradient)
+    assert all(torch.equal(a, b) for a, b in zip(ours[5], theirs[5]))  # the step counts
+    return ours, theirs
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_matches_torchs_fused_step_and_never_writes_gradients(dtype, cpu_capability):
     same_isa_as_torch = cpu_capability == torch.backends.cpu.get_cpu_capability() == "AVX512"
-    for amsgrad, maximize, weight_decay, decoupled, scale, beta1 in OPTIONS:
-        ours = state(dtype, amsgrad)
-        theirs = copies(ours)
-        gradients = copies([ours[1]])[0]
-        grad_scale = None if scale is None else torch.tensor(scale)
-        hyperparameters = {
-            "lr": 1e-2,
-            "beta1": beta1,
-            "beta2": 0.999,
-            "weight_decay": weight_decay,
-            "eps": 1e-8,
-            "amsgrad": amsgrad,
-            "maximize": maximize,
-        }
-        assert _ops.adam_step_(*ours, decoupled_weight_decay=decoupled, grad_scale=grad_scale, **hyperparameters)
-        torch_fused_step(theirs, decoupled, grad_scale, **hyperparameters)
-        for ours_grad, gradient in zip(ours[1], gradients):
-            assert torch.equal(ours_grad, gradient)
-        assert all(torch.equal(a, b) for a, b in zip(ours[5], theirs[5]))  # the step counts
+    for options in OPTIONS:
+        ours, theirs = step_both(dtype, options)
         for which in (0, 2, 3, 4):  # params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs
             for n, a, b in zip(SIZES, ours[which], theirs[which]):
                 torch.testing.assert_close(a, b, **TOLERANCE[dtype])
                 if same_isa_as_torch and n in WHOLE_VECTORS:
                     assert torch.equal(a, b), (which, n)  # torch's vector arithmetic, bit for bit
+
+
+# torch 2.11's fused CUDA arithmetic is what the CUDA kernel spells out (float opmath, fma where torch's build
+# contracts); other releases may round a bias correction otherwise.
+CUDA_BIT_FOR_BIT = torch.__version__.startswith("2.11.")
+
+
+def on_cuda(lists):
+    return [[t.cuda() for t in tensors] for tensors in lists]
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_cuda_matches_torchs_fused_cuda_step_and_never_writes_gradients(dtype):
+    for options in OPTIONS:
+        ours, theirs = step_both(dtype, options, "cuda")
+        for which in (0, 2, 3, 4):
+            for a, b in zip(ours[which], theirs[which]):
+                if CUDA_BIT_FOR_BIT:
+                    assert torch.equal(a, b), (which, a.numel(), options)
+                torch.testing.assert_close(a, b, **TOLERANCE[dtype])
+
+
+@cuda_only
+def test_cuda_found_inf_leaves_everything_and_zero_steps():
+    hyperparameters = {**HYPERPARAMETERS, "amsgrad": True, "decoupled_weight_decay": False}
+    ours = on_cuda(state(torch.float32, amsgrad=True))
+    before = copies(ours)
+    assert _ops.adam_step_(*ours, found_inf=torch.tensor(1.0, device="cuda"), **hyperparameters)
+    assert all(torch.equal(a, b) for x, y in zip(ours, before) for a, b in zip(x, y))
+    theirs = copies(ours)
+    assert _ops.adam_step_(*ours, found_inf=torch.tensor(0.0, device="cuda"), **hyperparameters)
+    del hyperparameters["decoupled_weight_decay"]
+    torch_fused_step(theirs, False, found_inf=torch.tensor(0.0, device="cuda"), **hyperparameters)
+    for x, y in zip(ours, theirs):
+        for a, b in zip(x, y):
+            torch.testing.assert_close(a, b, **TOLERANCE[torch.float32])
+
+
+@cuda_only
+def test_cuda_declines_host_numbers_and_mixed_devices():
+    hyperparameters = {**HYPERPARAMETERS}
+    ours = on_cuda(state(torch.float32, amsgrad=False))
+    before = copies(ours)
+    assert not _ops.adam_step_(*ours, grad_scale=torch.tensor(2.0), **hyperparameters)  # a host grad_scale
+    ours[5][0] = ours[5][0].cpu()  # a host step count
+    assert not _ops.adam_step_(*ours, **hyperparameters)
+    ours[5][0] = ours[5][0].cuda()
+    ours[2][1] = ours[2][1].cpu()  # a state off the device
+    assert not _ops.adam_step_(*ours, **hyperparameters)
+    assert all(torch.equal(a.cpu(), b.cpu()) for x, y in zip(ours, before) for a, b in zip(x, y))
 
 
 # One step's arguments (AdamW).

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from testing import fused_like_torch, torch_fused_sgd_steps_16_bit_vectors
+from testing import cuda_only, fused_like_torch, torch_fused_sgd_steps_16_bit_vectors
 
 import torchclip
 from torchclip import ClipGradByGlobalNorm, _ops, _read_only_step
@@ -74,26 +74,64 @@ SGD_OPTIONS = [
 ]
 
 
+def sgd_both(dtype, options, first_step, device="cpu"):
+    """One step of sgd_step_ and of torch's fused kernel (on the CPU through float32 for 16-bit data, see above)
+    on copies of the same lists on `device`, the gradients only read by ours: (ours, theirs)."""
+    momentum, dampening, nesterov, weight_decay, maximize, scale = options
+    lists = [[t.to(device) for t in draw(dtype, seed, magnitude)] for seed, magnitude in ((0, 1.0), (1, 3.0), (2, 0.1))]
+    if not momentum:
+        lists[2] = []
+    ours, theirs = copies(lists), copies(lists)
+    hyperparameters = {
+        "lr": 1e-2,
+        "weight_decay": weight_decay,
+        "momentum": momentum,
+        "dampening": dampening,
+        "nesterov": nesterov,
+        "maximize": maximize,
+        "is_first_step": first_step and momentum != 0,
+        "grad_scale": None if scale is None else torch.tensor(scale, device=device),
+    }
+    assert _ops.sgd_step_(*ours, **hyperparameters)
+    if device == "cpu":
+        through_float32(torch._fused_sgd_, theirs, dtype, **hyperparameters)
+    else:
+        torch._fused_sgd_(*theirs, **hyperparameters)
+    assert all(torch.equal(a, b) for a, b in zip(ours[1], lists[1]))  # the gradients: only read
+    return ours, theirs
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("first_step", [False, True])
 def test_sgd_matches_torchs_fused_step_and_never_writes_gradients(dtype, first_step, cpu_capability):
-    for momentum, dampening, nesterov, weight_decay, maximize, scale in SGD_OPTIONS:
-        lists = [draw(dtype, 0), draw(dtype, 1, 3.0), draw(dtype, 2, 0.1) if momentum else []]
-        ours, theirs = copies(lists), copies(lists)
-        hyperparameters = {
-            "lr": 1e-2,
-            "weight_decay": weight_decay,
-            "momentum": momentum,
-            "dampening": dampening,
-            "nesterov": nesterov,
-            "maximize": maximize,
-            "is_first_step": first_step and momentum != 0,
-            "grad_scale": None if scale is None else torch.tensor(scale),
-        }
-        assert _ops.sgd_step_(*ours, **hyperparameters)
-        through_float32(torch._fused_sgd_, theirs, dtype, **hyperparameters)
-        assert all(torch.equal(a, b) for a, b in zip(ours[1], lists[1]))  # the gradients: only read
+    for options in SGD_OPTIONS:
+        ours, theirs = sgd_both(dtype, options, first_step)
         assert_matches(ours, theirs, (0, 2), dtype, cpu_capability)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("first_step", [False, True])
+def test_cuda_sgd_matches_torchs_fused_cuda_step_and_never_writes_gradients(dtype, first_step):
+    """torch 2.11's fused CUDA SGD (float opmath for 16-bit storage too), bit for bit on that release."""
+    bit_for_bit = torch.__version__.startswith("2.11.")
+    for options in SGD_OPTIONS:
+        ours, theirs = sgd_both(dtype, options, first_step, "cuda")
+        for position in (0, 2):
+            for a, b in zip(ours[position], theirs[position]):
+                if bit_for_bit:
+                    assert torch.equal(a, b), (position, a.numel(), options)
+                torch.testing.assert_close(a, b, **TOLERANCE[dtype])
+
+
+@cuda_only
+def test_cuda_sgd_found_inf_leaves_everything():
+    lists = [[t.cuda() for t in draw(torch.float32, seed)] for seed in range(3)]
+    before = copies(lists)
+    hyperparameters = {"lr": 0.1, "weight_decay": 0.1, "momentum": 0.9, "dampening": 0.0, "nesterov": True}
+    found_inf = torch.tensor(1.0, device="cuda")
+    assert _ops.sgd_step_(*lists, maximize=False, is_first_step=False, found_inf=found_inf, **hyperparameters)
+    assert all(torch.equal(a, b) for x, y in zip(lists, before) for a, b in zip(x, y))
 
 
 def test_sgd_found_inf_leaves_everything():

@@ -348,8 +348,9 @@ def adam_step_(
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
 ) -> bool:
-    """One Adam/AdamW step with torch's fused CPU arithmetic that only reads the gradients (divided by
-    grad_scale); False, with nothing written, where the kernels do not walk the lists."""
+    """One Adam/AdamW step with torch's fused arithmetic (CPU, or CUDA as torch 2.11 computes it) that only
+    reads the gradients (divided by grad_scale); False, with nothing written, where the kernels do not walk
+    the lists."""
     return bool(
         _ops.adam_step_(
             params,
@@ -372,14 +373,15 @@ def adam_step_(
     )
 
 
-def _stepped_fake(params):
-    """The fused steps' fake result: a 0-d bool beside the parameters."""
-    return params[0].new_empty((), dtype=torch.bool) if params else torch.empty((), dtype=torch.bool)
+def _stepped_fake():
+    """The fused steps' fake result: a 0-d CPU bool on every device (the caller reads it on the host, and a
+    CUDA step's answer is the host's: reading one from the device would wait for it)."""
+    return torch.empty((), dtype=torch.bool)
 
 
 @torch.library.register_fake("torchclip::adam_step_")
 def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, **hyperparameters):
-    return _stepped_fake(params)
+    return _stepped_fake()
 
 
 def sgd_step_(
@@ -397,8 +399,9 @@ def sgd_step_(
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
 ) -> bool:
-    """One SGD step with torch's fused CPU arithmetic that only reads the gradients (divided by grad_scale);
-    False, with nothing written, where the kernels do not walk the lists."""
+    """One SGD step with torch's fused arithmetic (CPU, or CUDA as torch 2.11 computes it) that only reads
+    the gradients (divided by grad_scale); False, with nothing written, where the kernels do not walk the
+    lists."""
     return bool(
         _ops.sgd_step_(
             params,
@@ -419,7 +422,7 @@ def sgd_step_(
 
 @torch.library.register_fake("torchclip::sgd_step_")
 def _sgd_step_fake(params, grads, momentum_buffers, **hyperparameters):
-    return _stepped_fake(params)
+    return _stepped_fake()
 
 
 def adagrad_step_(
@@ -457,7 +460,7 @@ def adagrad_step_(
 
 @torch.library.register_fake("torchclip::adagrad_step_")
 def _adagrad_step_fake(params, grads, state_sums, state_steps, **hyperparameters):
-    return _stepped_fake(params)
+    return _stepped_fake()
 
 
 def per_sample_norms(

@@ -42,7 +42,8 @@ def unhooked_step(optimizer_class):
 
 def _group_on_kernels(group, params) -> bool:
     """Whether torchclip's kernels may take a group's step: fused, plain tensors (an FSDP2 DTensor takes
-    torch's step) on the CPU, a float learning rate (a tensor lr takes torch's tensor_lr kernels)."""
+    torch's step) on the CPU, a float learning rate (a tensor lr takes torch's tensor_lr kernels). (The CUDA
+    kernels of adam_step_ and sgd_step_ are not taken here until their tests have passed on a GPU.)"""
     return (
         bool(params)
         and group["fused"]

@@ -653,13 +653,6 @@ std::optional<ScaleAndSkip> scale_and_skip(const std::optional<at::Tensor>& grad
   return read;
 }
 
-// Whether `state` can be walked beside `param`: the same dtype, shape and element order, dense.
-bool walks_beside(const at::Tensor& state, const at::Tensor& param) {
-  return state.defined() && state.device().is_cpu() && state.layout() == at::kStrided &&
-      state.scalar_type() == param.scalar_type() && state.sizes() == param.sizes() &&
-      state.strides() == param.strides() && !state.is_neg();
-}
-
 // The spans of params and of each list walked beside them (grads first), or nullopt where one is not.
 std::optional<std::vector<std::vector<cpu::TensorSpan>>> step_spans(at::TensorList params,
     std::initializer_list<at::TensorList> beside) {
@@ -698,28 +691,13 @@ std::vector<double> count_steps(at::TensorList state_steps) {
   return steps;
 }
 
-void check_one_per_parameter(const char* op, size_t n, std::initializer_list<std::pair<const char*, size_t>> lists) {
-  for (const auto& [name, size] : lists) {
-    TORCH_CHECK(size == n, op, ": ", name, " must have one entry per parameter (", n, "), got ", size);
-  }
-}
-
-at::Tensor stepped(bool done) {
-  return at::scalar_tensor(done, at::kBool);
-}
-
 at::Tensor adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
     at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList state_steps, double lr, double beta1,
     double beta2, double weight_decay, double eps, bool amsgrad, bool maximize, bool decoupled_weight_decay,
     const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
   constexpr const char* op = "torchclip.adam_step_";
   const size_t n = params.size();
-  check_one_per_parameter(op, n,
-      {{"grads", grads.size()}, {"exp_avgs", exp_avgs.size()}, {"exp_avg_sqs", exp_avg_sqs.size()},
-          {"state_steps", state_steps.size()}});
-  TORCH_CHECK(max_exp_avg_sqs.size() == (amsgrad ? n : 0), op, ": max_exp_avg_sqs must have ",
-      amsgrad ? "one entry per parameter" : "no entries", " with amsgrad=", amsgrad ? "True" : "False", ", got ",
-      max_exp_avg_sqs.size());
+  check_adam_lists(op, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad);
   const auto read = scale_and_skip(grad_scale, found_inf);
   const auto spans = amsgrad ? step_spans(params, {grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs})
                              : step_spans(params, {grads, exp_avgs, exp_avg_sqs});
@@ -744,10 +722,7 @@ at::Tensor sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorL
   constexpr const char* op = "torchclip.sgd_step_";
   const size_t n = params.size();
   const bool has_momentum = momentum != 0.0;
-  check_one_per_parameter(op, n, {{"grads", grads.size()}});
-  TORCH_CHECK(momentum_buffers.size() == (has_momentum ? n : 0), op, ": momentum_buffers must have ",
-      has_momentum ? "one entry per parameter" : "no entries", " with momentum=", momentum, ", got ",
-      momentum_buffers.size());
+  check_sgd_lists(op, params, grads, momentum_buffers, momentum);
   const auto read = scale_and_skip(grad_scale, found_inf);
   const auto spans = has_momentum ? step_spans(params, {grads, momentum_buffers}) : step_spans(params, {grads});
   if (!read || !spans) {

@@ -80,6 +80,39 @@ void scale(const DeviceSpan* spans, int64_t count, const double* scales, int64_t
 // makes every element NaN (torch's clamp_min_ then clamp_max_).
 void clamp(const DeviceSpan* spans, int64_t count, double lo, double hi, cudaStream_t stream);
 
+// One tensor of a fused optimizer step (step_kernel.cu): its streams, dense, of one dtype and element order
+// (param, grad, then the step's state: Adam's exp_avg, exp_avg_sq and max_exp_avg_sq, SGD's momentum buffer;
+// null where the step has none), and its step count (a float32 on the device; null for SGD).
+constexpr int kStepStreams = 5;
+struct StepTensor {
+  void* streams[kStepStreams];
+  const float* step;
+  int64_t numel;
+  DType dtype;
+};
+
+// The step's hyperparameters as the host has them (the kernels round them to the opmath type, as torch's do),
+// and grad_scale / found_inf: device float32 numbers or null.
+struct AdamScalars {
+  double lr, beta1, beta2, weight_decay, eps;
+  bool amsgrad, maximize, decoupled_weight_decay;
+  const float* grad_scale;
+  const float* found_inf;
+};
+struct SgdScalars {
+  double lr, weight_decay, momentum, dampening;
+  bool nesterov, maximize, is_first_step;
+  const float* grad_scale;
+  const float* found_inf;
+};
+
+// One step of torch.optim.Adam / AdamW (torch 2.11's fused CUDA arithmetic) over `count` tensors whose step
+// counts are already counted up, the gradients read once and never written; nothing is written where
+// *found_inf is 1.
+void adam_step(const StepTensor* tensors, int64_t count, const AdamScalars& scalars, cudaStream_t stream);
+// One step of torch.optim.SGD, likewise (momentum buffers where momentum is not 0).
+void sgd_step(const StepTensor* tensors, int64_t count, const SgdScalars& scalars, cudaStream_t stream);
+
 // Per-sample clipping's second pass (cpu/per_sample_kernel.cpp's contract, the same normals): `params` is a
 // device array of `count` entries whose rows and factors are device arrays too; max_numel is the largest
 // parameter's element count.
