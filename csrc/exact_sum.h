@@ -254,7 +254,9 @@ class CarriedDigits {
       return compare_128(low_128(), bottom_ * kDigitBits - kBias, square, square_exponent);
     }
     // Digit by digit from the top: both are non-negative integers in base 2^32 with digits in [0, 2^32), so
-    // the first digit where they differ decides. The square's digits: its 32-bit pieces from its position on.
+    // the first digit where they differ decides. The square's digits: its 32-bit pieces from its position on,
+    // ExactSum::digit_parts' pieces taken one by one here (its array, indexed by the digit, put a stack frame
+    // and spills into the CUDA exact kernels: ptxas, 16 -> 72 bytes for p = 1).
     const int position = square_exponent + kBias;
     const int first = position / kDigitBits, shift = position % kDigitBits;
     const unsigned __int128 low_bits = square << shift;

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from testing import cuda_only
+from testing import assert_cuda_step_matches, cuda_only
 
 import torchclip
 from torchclip import ClipGradByGlobalNorm, _ops, _read_only_step
@@ -91,11 +91,6 @@ def test_matches_torchs_fused_step_and_never_writes_gradients(dtype, cpu_capabil
                     assert torch.equal(a, b), (which, n)  # torch's vector arithmetic, bit for bit
 
 
-# torch 2.11's fused CUDA arithmetic is what the CUDA kernel spells out (float opmath, fma where torch's build
-# contracts); other releases may round a bias correction otherwise.
-CUDA_BIT_FOR_BIT = torch.__version__.startswith("2.11.")
-
-
 def on_cuda(lists):
     return [[t.cuda() for t in tensors] for tensors in lists]
 
@@ -105,11 +100,7 @@ def on_cuda(lists):
 def test_cuda_matches_torchs_fused_cuda_step_and_never_writes_gradients(dtype):
     for options in OPTIONS:
         ours, theirs = step_both(dtype, options, "cuda")
-        for which in (0, 2, 3, 4):
-            for a, b in zip(ours[which], theirs[which]):
-                if CUDA_BIT_FOR_BIT:
-                    assert torch.equal(a, b), (which, a.numel(), options)
-                torch.testing.assert_close(a, b, **TOLERANCE[dtype])
+        assert_cuda_step_matches(ours, theirs, (0, 2, 3, 4), TOLERANCE[dtype], options)
 
 
 @cuda_only

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from testing import cuda_only, fused_like_torch, torch_fused_sgd_steps_16_bit_vectors
+from testing import assert_cuda_step_matches, cuda_only, fused_like_torch, torch_fused_sgd_steps_16_bit_vectors
 
 import torchclip
 from torchclip import ClipGradByGlobalNorm, _ops, _read_only_step
@@ -114,14 +114,9 @@ def test_sgd_matches_torchs_fused_step_and_never_writes_gradients(dtype, first_s
 @pytest.mark.parametrize("first_step", [False, True])
 def test_cuda_sgd_matches_torchs_fused_cuda_step_and_never_writes_gradients(dtype, first_step):
     """torch 2.11's fused CUDA SGD (float opmath for 16-bit storage too), bit for bit on that release."""
-    bit_for_bit = torch.__version__.startswith("2.11.")
     for options in SGD_OPTIONS:
         ours, theirs = sgd_both(dtype, options, first_step, "cuda")
-        for position in (0, 2):
-            for a, b in zip(ours[position], theirs[position]):
-                if bit_for_bit:
-                    assert torch.equal(a, b), (position, a.numel(), options)
-                torch.testing.assert_close(a, b, **TOLERANCE[dtype])
+        assert_cuda_step_matches(ours, theirs, (0, 2), TOLERANCE[dtype], options)
 
 
 @cuda_only

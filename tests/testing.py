@@ -136,6 +136,21 @@ def torch_fused_sgd_steps_16_bit_vectors() -> bool:
     return bool((p == 0.5).all())
 
 
+# torch 2.11's fused CUDA arithmetic is what the CUDA step kernels spell out (float opmath, fma where torch's
+# build contracts); other releases may round a bias correction otherwise.
+CUDA_STEP_BIT_FOR_BIT = torch.__version__.startswith("2.11.")
+
+
+def assert_cuda_step_matches(ours, theirs, positions, tolerance, context):
+    """A CUDA step's lists at `positions` against torch's fused CUDA step's: within `tolerance`, and bit for bit
+    on the torch whose arithmetic the kernels follow."""
+    for position in positions:
+        for a, b in zip(ours[position], theirs[position]):
+            if CUDA_STEP_BIT_FOR_BIT:
+                assert torch.equal(a, b), (position, a.numel(), context)
+            torch.testing.assert_close(a, b, **tolerance)
+
+
 def cuda_only(test):
     """A test of something only CUDA has (streams, graphs, host synchronisation, the CPU-versus-CUDA
     agreement): skipped without a GPU, selected by `pytest -m cuda`."""

@@ -129,8 +129,8 @@ at::Tensor sgd_step_cuda(at::TensorList params, at::TensorList grads, at::Tensor
     return stepped(false);
   }
   const c10::cuda::CUDAGuard guard(launch->device);
-  const cuda::SgdScalars scalars{
-      lr, weight_decay, momentum, dampening, nesterov, maximize, is_first_step, launch->grad_scale, launch->found_inf};
+  const cuda::SgdScalars scalars{lr, weight_decay, momentum, dampening, nesterov, maximize, is_first_step,
+      launch->grad_scale, launch->found_inf};
   cuda::sgd_step(launch->tensors.data(), static_cast<int64_t>(launch->tensors.size()), scalars,
       c10::cuda::getCurrentCUDAStream().stream());
   return stepped(true);

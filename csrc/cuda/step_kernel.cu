@@ -83,8 +83,8 @@ __device__ __forceinline__ Op unscaled(Op g, const float* grad_scale, bool maxim
 }
 
 template <typename S>
-__device__ void adam_chunk(S* param, const S* grad, S* exp_avg, S* exp_avg_sq, S* max_exp_avg_sq, int64_t n,
-    float step, const AdamScalars& s) {
+__device__ void adam_chunk(S* param, const S* grad, S* exp_avg, S* exp_avg_sq, S* max_exp_avg_sq, int64_t n, float step,
+    const AdamScalars& s) {
   using Op = typename OpMath<S>::type;
   const Op lr = static_cast<Op>(s.lr), beta1 = static_cast<Op>(s.beta1), beta2 = static_cast<Op>(s.beta2);
   const Op weight_decay = static_cast<Op>(s.weight_decay), eps = static_cast<Op>(s.eps);
