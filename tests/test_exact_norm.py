@@ -220,6 +220,44 @@ def test_runs_stop_at_their_bounds(exact, dtype, norm_type):
     assert kernel_sums([t], norm_type)[0] == exact_sum([t], norm_type)
 
 
+def small_spans_of_every_type(seed):
+    """Where only the total is wanted, the kernel gathers blocks shorter than 1,024 values into whole ones: tensors
+    of 1 to 1,100 values in runs of one type, then another (a new type adds the gathered block as it is), long
+    views starting past a block's edge (their first and last blocks gathered), and magnitudes that send gathered
+    blocks to either run and past both."""
+    generator = torch.Generator().manual_seed(seed)
+    sizes = [1, 3, 15, 16, 17, 100, 511, 1000, 1023, 1024, 1025, 1100]
+    tensors = []
+    for i in range(120):
+        dtype = DTYPES[(i // 7) % len(DTYPES)]
+        n = sizes[int(torch.randint(0, len(sizes), (1,), generator=generator))]
+        if i % 5 == 0:
+            values = wide_range(dtype, n, seed=seed + i)
+        else:
+            low, high = (-20, 10) if dtype == torch.float16 else (-40, 20)  # (float16's largest: 65504)
+            scale = 2.0 ** int(torch.randint(low, high, (1,), generator=generator))
+            values = (torch.randn(n, generator=generator, dtype=torch.float64) * scale).to(dtype)
+        tensors.append(values)
+    for dtype in (torch.float32, torch.bfloat16):
+        tensors.append(torch.randn(10_000, generator=generator, dtype=torch.float64).to(dtype)[5:9_003])
+    return tensors
+
+
+@pytest.mark.parametrize("norm_type", ORDERS)
+def test_small_spans_gathered_into_whole_blocks(exact, norm_type):
+    tensors = small_spans_of_every_type(seed=5)
+    expected = [*(exact_sum([t], norm_type) for t in tensors), exact_sum(tensors, norm_type)]
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        assert kernel_sums(tensors, norm_type) == expected, threads
+    victim = next(i for i, t in enumerate(tensors) if 16 < t.numel() < 1024 and t.dtype != torch.float64)
+    for bad in (math.inf, math.nan):
+        spoiled = [t.clone() for t in tensors]
+        spoiled[victim][-1] = bad  # in a gathered block, beside finite values of other tensors
+        total = _ops.multi_tensor_norm(spoiled, norm_type)[0].item()
+        assert math.isinf(total) if bad == math.inf else math.isnan(total)
+
+
 @pytest.mark.parametrize("norm_type", ORDERS)
 def test_the_same_bits_for_any_threads_order_and_views(exact, norm_type):
     whole = make_tensor((300_001,), torch.float32, seed=3)

@@ -148,6 +148,24 @@ inline f64v high_half_to_f64(f32v v) {
 #endif
 }
 
+// kBlock float32 values at p as two float64 halves, each converted straight from memory: no extract of the high
+// half from a register (one of the five port-5 operations that widening a float32 vector took).
+inline void load_f64_halves(const float* p, f64v& low, f64v& high) {
+#if defined(__AVX512F__)
+  low = (f64v)_mm512_cvtps_pd(_mm256_loadu_ps(p));
+  high = (f64v)_mm512_cvtps_pd(_mm256_loadu_ps(p + kBlock / 2));
+#elif defined(__AVX2__)
+  low = (f64v)_mm256_cvtps_pd(_mm_loadu_ps(p));
+  high = (f64v)_mm256_cvtps_pd(_mm_loadu_ps(p + kBlock / 2));
+#else
+  f32half half;
+  std::memcpy(&half, p, sizeof(half));
+  low = __builtin_convertvector(half, f64v);
+  std::memcpy(&half, p + kBlock / 2, sizeof(half));
+  high = __builtin_convertvector(half, f64v);
+#endif
+}
+
 // ---- kBlock 16-bit patterns, zero-extended to 32-bit lanes and back --------------------------------
 // GCC lowers __builtin_convertvector between these widths to a five-instruction shuffle on AVX-512
 // (it splits the 512-bit widening) and narrows with vpermt2w; one vpmovzxwd / vpmovdw does each. For
