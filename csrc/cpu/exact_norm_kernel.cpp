@@ -452,7 +452,7 @@ class TermSums {
  public:
   explicit TermSums(bool gathers) : gathers_(gathers) {}
 
-  static constexpr int64_t kGatherBelow = kExactBlock / 8;
+  static constexpr int64_t kGatherBelow = kExactBlock / 8;  // (shorter blocks gathered even when whole vectors)
 
   template <typename T>
   void add_span(const T* x, int64_t n) {

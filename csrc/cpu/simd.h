@@ -149,7 +149,7 @@ inline f64v high_half_to_f64(f32v v) {
 }
 
 // kBlock float32 values at p as two float64 halves, each converted straight from memory: no extract of the high
-// half from a register (one of the five port-5 operations that widening a float32 vector took).
+// half from a register first (a shuffle, on the port the converts also need).
 inline void load_f64_halves(const float* p, f64v& low, f64v& high) {
 #if defined(__AVX512F__)
   low = (f64v)_mm512_cvtps_pd(_mm256_loadu_ps(p));
