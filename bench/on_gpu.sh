@@ -2,8 +2,8 @@
 # One lease of a GPU machine (issue 19): build in place against the machine's torch, run the CUDA tests
 # and the rest of the suite, time the CUDA rows, break down the host cost. Logs go to $OUT (or bench/out).
 #
-#   bench/on_gpu.sh [build] [test] [suite] [bench] [host] [results] [training] [step] [exact-memory] [exact-cost]
-#                   [exact-profile]
+#   bench/on_gpu.sh [build] [test] [suite] [bench] [host] [results] [training] [step] [step-bits] [exact-memory]
+#                   [exact-cost] [exact-profile]
 #   (default: build test bench host)
 #
 # The machine's default compiler wrapper (/opt/gcc/bin/g++) once built a _cuda module that crashed while
@@ -53,6 +53,10 @@ for step in "${steps[@]}"; do
       # What clipping adds to torch's fused CUDA optimizer steps (torchclip-bench --step)
       "$python" -m torchclip.bench --device cuda --step adamw-fused --step adam-fused --step sgd-fused --rounds 11 \
         --json "$out/step-cuda.json" 2>&1 | tee "$out/step.txt" | tail -30
+      ;;
+    step-bits)
+      # Where the read-only CUDA steps' bits part from torch's fused CUDA steps, option by option
+      "$python" bench/cuda_step_bits.py 2>&1 | tee "$out/step_bits.txt" | tail -80
       ;;
     exact-memory)
       # What the exact kernels' stack frames reserve on the device: free memory before and after the first exact

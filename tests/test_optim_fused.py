@@ -15,6 +15,7 @@ from testing import (
     device_params,
     fused_like_torch,
     no_host_sync,
+    requires_cuda,
     torch_fused_sgd_steps_16_bit_vectors,
 )
 
@@ -50,9 +51,9 @@ def _no_global_default_clip():
     clip_module._default_clip = None
 
 
-def parameters(dtype=torch.float32, seed=0, shapes=((64, 32), (32,), (7, 5, 3), (1,))):
+def parameters(dtype=torch.float32, seed=0, shapes=((64, 32), (32,), (7, 5, 3), (1,)), device="cpu"):
     generator = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype)) for shape in shapes]
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator).to(device, dtype)) for shape in shapes]
 
 
 def gradient_steps(params, steps, seed=1, spread=10.0):
@@ -80,21 +81,44 @@ def forbid_in_place_clip(monkeypatch):
     refuse_in_place_clip(monkeypatch)
 
 
+# The optimizers whose CUDA step is torchclip's read-only one (adagrad_step_ has no CUDA kernel).
+READ_ONLY_STEP_ON_CUDA = READ_ONLY_STEP & {"Adam", "AdamW", "SGD"}
+
+
+def torch_fuses_on_cuda(optimizer_class) -> bool:
+    try:
+        optimizer_class([torch.zeros(1, device="cuda", requires_grad=True)], fused=True)
+    except RuntimeError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("name", sorted(FUSED))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_folded_step_is_clip_then_step(name, dtype, monkeypatch):
+@pytest.mark.parametrize("on", ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.cuda])])
+def test_folded_step_is_clip_then_step(name, dtype, on, monkeypatch):
     steps, clip_norm = 5, 1.0
-    ours, theirs = parameters(dtype), parameters(dtype)
+    ours, theirs = parameters(dtype, device=on), parameters(dtype, device=on)
+    if on == "cuda" and name == "Adagrad" and not torch_fuses_on_cuda(torch.optim.Adagrad):
+        with pytest.raises(RuntimeError, match="fused=True"):  # torch 2.11's Adagrad: no fused CUDA kernel
+            torchclip.optim.Adagrad(ours, fused=True, grad_clip=ClipGradByGlobalNorm(clip_norm), **FUSED[name])
+        return
     optimizer = getattr(torchclip.optim, name)(
         ours, fused=True, grad_clip=ClipGradByGlobalNorm(clip_norm), **FUSED[name]
     )
-    sgd_skips_vectors = name == "SGD" and dtype != torch.float32 and not torch_fused_sgd_steps_16_bit_vectors()
+    sgd_skips_vectors = (
+        on == "cpu" and name == "SGD" and dtype != torch.float32 and not torch_fused_sgd_steps_16_bit_vectors()
+    )
     reference = getattr(torch.optim, name)(theirs, fused=not sgd_skips_vectors, **FUSED[name])
     # A fused step torch does not mark as reading grad_scale (_step_supports_amp_scaling: Adagrad on torch 2.11)
     # is not folded into: the clip runs in place, and must give the same steps.
     if clip_optim._steps_fused(optimizer):
         refuse_in_place_clip(monkeypatch)
+    read_only = clip_optim._steps_fused(optimizer) and name in (
+        READ_ONLY_STEP if on == "cpu" else READ_ONLY_STEP_ON_CUDA
+    )
     for grads in gradient_steps(ours, steps):
+        grads = [g.to(on) for g in grads]
         for p, q, g in zip(ours, theirs, grads):
             p.grad, q.grad = g.clone(), g.clone()
         optimizer.step()
@@ -106,7 +130,7 @@ def test_folded_step_is_clip_then_step(name, dtype, monkeypatch):
         torch.testing.assert_close(clip.last_norms, norms, rtol=1e-6, atol=0)
         torch.testing.assert_close(clip.last_clip_coef, clip_norm / torch.clamp(norm, min=clip_norm), rtol=1e-5, atol=0)
         for p, q, g in zip(ours, theirs, grads):
-            if name in READ_ONLY_STEP and clip_optim._steps_fused(optimizer):  # read-only: as backward left them
+            if read_only:  # as backward left them
                 assert torch.equal(p.grad, g)
             else:  # torch's kernels write back the clipped values, as clip-then-step leaves them
                 torch.testing.assert_close(p.grad, q.grad, **TOLERANCE[dtype])

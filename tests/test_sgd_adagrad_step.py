@@ -113,7 +113,7 @@ def test_sgd_matches_torchs_fused_step_and_never_writes_gradients(dtype, first_s
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("first_step", [False, True])
 def test_cuda_sgd_matches_torchs_fused_cuda_step_and_never_writes_gradients(dtype, first_step):
-    """torch 2.11's fused CUDA SGD (float opmath for 16-bit storage too), bit for bit on that release."""
+    """torch's fused CUDA SGD (float opmath for 16-bit storage too), within a rounding of the storage type."""
     for options in SGD_OPTIONS:
         ours, theirs = sgd_both(dtype, options, first_step, "cuda")
         assert_cuda_step_matches(ours, theirs, (0, 2), TOLERANCE[dtype], options)

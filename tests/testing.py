@@ -136,19 +136,16 @@ def torch_fused_sgd_steps_16_bit_vectors() -> bool:
     return bool((p == 0.5).all())
 
 
-# torch 2.11's fused CUDA arithmetic is what the CUDA step kernels spell out (float opmath, fma where torch's
-# build contracts); other releases may round a bias correction otherwise.
-CUDA_STEP_BIT_FOR_BIT = torch.__version__.startswith("2.11.")
-
-
 def assert_cuda_step_matches(ours, theirs, positions, tolerance, context):
-    """A CUDA step's lists at `positions` against torch's fused CUDA step's: within `tolerance`, and bit for bit
-    on the torch whose arithmetic the kernels follow."""
+    """A CUDA step's lists at `positions` against torch's fused CUDA step's, within `tolerance`. Not bit for
+    bit: torch's compiled kernels contract some paths and not others (torch 2.11's float32 Adam rounds the
+    weight-decay product before the add where no grad_scale is given and fuses the two where one is: the SASS
+    in its libtorch_cuda.so), and an H200 run found elements a rounding apart; bench/cuda_step_bits.py counts
+    them per option."""
     for position in positions:
         for a, b in zip(ours[position], theirs[position]):
-            if CUDA_STEP_BIT_FOR_BIT:
-                assert torch.equal(a, b), (position, a.numel(), context)
-            torch.testing.assert_close(a, b, **tolerance)
+            where = (position, a.numel(), context)
+            torch.testing.assert_close(a, b, **tolerance, msg=lambda message, where=where: f"{message}\n{where}")
 
 
 def cuda_only(test):

@@ -1,7 +1,7 @@
-"""The one place torchclip runs torch.optim's fused CPU steps itself: Adam, AdamW, SGD and Adagrad with a
-clip folded into them (torchclip.optim) step through torchclip's ops (adam_step_, sgd_step_, adagrad_step_),
-which read each gradient once and never write it, where torch's fused kernels write every gradient back
-divided by grad_scale. That write is ~1.5 reads of the gradients on a 24 x 1M AdamW step (2 cores), more
+"""The one place torchclip runs torch.optim's fused steps itself: Adam, AdamW, SGD and Adagrad with a clip
+folded into them (torchclip.optim) step through torchclip's ops (adam_step_, sgd_step_, adagrad_step_; on
+CUDA adam_step_ and sgd_step_), which read each gradient once and never write it, where torch's fused kernels
+write every gradient back divided by grad_scale. That write is ~1.5 reads of the gradients on a 24 x 1M AdamW step (2 cores), more
 than the clip's own norm pass.
 
 Each step is torch's <Optimizer>.step with one call swapped: it leans on two of torch's optimizer internals
@@ -40,15 +40,15 @@ def unhooked_step(optimizer_class):
     return step.__wrapped__ if getattr(step, "hooked", False) else step
 
 
-def _group_on_kernels(group, params) -> bool:
+def _group_on_kernels(group, params, devices=("cpu", "cuda")) -> bool:
     """Whether torchclip's kernels may take a group's step: fused, plain tensors (an FSDP2 DTensor takes
-    torch's step) on the CPU, a float learning rate (a tensor lr takes torch's tensor_lr kernels). (The CUDA
-    kernels of adam_step_ and sgd_step_ are not taken here until their tests have passed on a GPU.)"""
+    torch's step) on one of `devices` (the step's op has a kernel there), a float learning rate (a tensor lr
+    takes torch's tensor_lr kernels)."""
     return (
         bool(params)
         and group["fused"]
         and not group.get("differentiable", False)
-        and params[0].device.type == "cpu"
+        and params[0].device.type in devices
         and all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in params)
         and not isinstance(group["lr"], torch.Tensor)
     )
@@ -63,7 +63,7 @@ def _closure_loss(closure):
 
 def adam_step(optimizer: torch.optim.Adam, closure=None):
     """Adam.step (AdamW's too: decoupled_weight_decay is in the group), with grad_scale / found_inf
-    read from the optimizer as torch's does, where each fused group on the CPU is stepped by
+    read from the optimizer as torch's does, where each fused CPU or CUDA group is stepped by
     torchclip.adam_step_: the gradients after the step are as they were before it."""
     loss = _closure_loss(closure)
     grad_scale = getattr(optimizer, "grad_scale", None)
@@ -103,7 +103,7 @@ def adam_step(optimizer: torch.optim.Adam, closure=None):
 
 
 def sgd_step(optimizer: torch.optim.SGD, closure=None):
-    """SGD.step, where each fused group on the CPU is stepped by torchclip.sgd_step_ (as adam_step)."""
+    """SGD.step, where each fused CPU or CUDA group is stepped by torchclip.sgd_step_ (as adam_step)."""
     loss = _closure_loss(closure)
     grad_scale = getattr(optimizer, "grad_scale", None)
     found_inf = getattr(optimizer, "found_inf", None)
@@ -169,7 +169,8 @@ def adagrad_step(optimizer: torch.optim.Adagrad, closure=None):
             }
             lists = (params, grads, state_sums, state_steps)
             scaling = {"grad_scale": grad_scale, "found_inf": found_inf}
-            on_kernels = _group_on_kernels(group, params) and not (has_sparse_grad or has_complex)
+            # (adagrad_step_ has no CUDA kernel yet: a CUDA group takes torch's fused step)
+            on_kernels = _group_on_kernels(group, params, ("cpu",)) and not (has_sparse_grad or has_complex)
             if on_kernels and _ops.adagrad_step_(*lists, **scaling, **hyperparameters):
                 continue
             _adagrad_module.adagrad(
@@ -216,7 +217,7 @@ def _switched_on(optimizer_class) -> bool:
     return not (adam and os.environ.get("TORCHCLIP_READ_ONLY_ADAM", "1") == "0")
 
 
-# The classes whose fused CPU step torchclip takes under a folded clip, and that step.
+# The classes whose fused step torchclip takes under a folded clip, and that step.
 STEPS = {
     optimizer_class: step
     for optimizer_class, (init_group, functional, keywords, step) in _CANDIDATES.items()
