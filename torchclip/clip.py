@@ -399,14 +399,15 @@ class ClipGradByGlobalNorm(ClipGradBase):
             norm = norm / scaler_scale.to(norm.device)
             norms = norms / scaler_scale.to(norms.device)
         finite = torch.isfinite(norm)
-        found = ~finite
+        nonfinite = ~finite
+        found = nonfinite
         if scaler_found is not None:
             # What the clip acts on (raise, skip): a step the scaler skips is the scaler's, not the clip's. What
             # it records is the norm as it was, as without a scaler: found_nonfinite agrees with last_global_norm.
-            found = found & (scaler_found.to(norm.device) == 0)
+            found = nonfinite & (scaler_found.to(norm.device) == 0)
         if self.nonfinite == "raise" and not raises_here and bool(found):
             raise _nonfinite_global_norm()
-        self._record_found(~finite, refused=found)
+        self._record_found(nonfinite, refused=found)
         grad_scale, found_inf = _fused_step_scale(norm, finite, found, self.clip_norm, self.nonfinite, scaler_found)
         self._keep(norm, norms, (1.0 / grad_scale).to(torch.float64))
         if scaler_scale is not None:

@@ -24,7 +24,7 @@ def add_to_count(count: Tensor | None, found: Tensor) -> Tensor:
         return found.to(torch.int64)
     if found.is_cuda and count.device == found.device and torch.cuda.is_current_stream_capturing():
         return count.add_(found)
-    return found.to(torch.int64) + count.to(found.device)
+    return count.to(found.device) + found  # (int64 + bool is int64: one kernel, where a cast first made two)
 
 
 def _warn_if_given_gradients(items: Sequence, who: str) -> None:
@@ -90,7 +90,8 @@ class ClipGradBase:
         """Update found_nonfinite / nonfinite_steps from the last call's norm(s)."""
         if norms.dim() == 0 and norms.device.type == "cpu":
             return self._record_found_on_host(not math.isfinite(norms.item()))
-        self._record_found(~torch.isfinite(norms).all())
+        finite = torch.isfinite(norms)
+        self._record_found((finite if norms.dim() == 0 else finite.all()).logical_not_())
 
     def _record_found(self, found: Tensor, refused: Tensor | None = None) -> None:
         """found: the last call met a NaN/inf norm; refused: of those, what the clip's own policy acts on
