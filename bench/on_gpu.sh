@@ -74,12 +74,13 @@ print(f"exact norm: free device memory {before:.0f} MiB -> {free():.0f} MiB")' 2
         | grep -v Warn | tee -a "$out/exact_cost.txt"
       ;;
     exact-profile)
-      # Nsight Compute on one exact launch over GPT-2's float32 gradients: throughput, occupancy, where warps stall
+      # Nsight Compute on one exact launch over GPT-2's gradients (float32, or PROFILE_DTYPE): throughput,
+      # occupancy, where warps stall
       timeout 120 ncu --kernel-name regex:exact_norm_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight \
         --section Occupancy --section WarpStateStats --section LaunchStats "$python" -c 'import torch, torchclip
 from torchclip.bench import workloads
 from torchclip.bench.timing import Grads
-g = Grads(workloads.resolve("gpt2_124m")[1], torch.float32, device="cuda")
+g = Grads(workloads.resolve("gpt2_124m")[1], getattr(torch, "'"${PROFILE_DTYPE:-float32}"'"), device="cuda")
 for _ in range(4): torchclip.get_total_norm(g.grads, exact=True)
 torch.cuda.synchronize()' 2>&1 | tee "$out/exact_profile.txt" | tail -80
       ;;
