@@ -86,8 +86,11 @@ READ_ONLY_STEP_ON_CUDA = READ_ONLY_STEP & {"Adam", "AdamW", "SGD"}
 
 
 def torch_fuses_on_cuda(optimizer_class) -> bool:
+    """Whether torch's fused step of optimizer_class runs on CUDA (torch 2.11's Adagrad refuses at its first step)."""
+    p = torch.nn.Parameter(torch.zeros(1, device="cuda"))
+    p.grad = torch.zeros_like(p)
     try:
-        optimizer_class([torch.zeros(1, device="cuda", requires_grad=True)], fused=True)
+        optimizer_class([p], fused=True).step()
     except RuntimeError:
         return False
     return True
@@ -100,8 +103,11 @@ def test_folded_step_is_clip_then_step(name, dtype, on, monkeypatch):
     steps, clip_norm = 5, 1.0
     ours, theirs = parameters(dtype, device=on), parameters(dtype, device=on)
     if on == "cuda" and name == "Adagrad" and not torch_fuses_on_cuda(torch.optim.Adagrad):
-        with pytest.raises(RuntimeError, match="fused=True"):  # torch 2.11's Adagrad: no fused CUDA kernel
-            torchclip.optim.Adagrad(ours, fused=True, grad_clip=ClipGradByGlobalNorm(clip_norm), **FUSED[name])
+        optimizer = torchclip.optim.Adagrad(ours, fused=True, grad_clip=ClipGradByGlobalNorm(clip_norm), **FUSED[name])
+        for p in ours:
+            p.grad = torch.ones_like(p)
+        with pytest.raises(RuntimeError, match="fused=True"):  # as torch's: no fused CUDA Adagrad in torch 2.11
+            optimizer.step()
         return
     optimizer = getattr(torchclip.optim, name)(
         ours, fused=True, grad_clip=ClipGradByGlobalNorm(clip_norm), **FUSED[name]

@@ -138,10 +138,10 @@ def torch_fused_sgd_steps_16_bit_vectors() -> bool:
 
 def assert_cuda_step_matches(ours, theirs, positions, tolerance, context):
     """A CUDA step's lists at `positions` against torch's fused CUDA step's, within `tolerance`. Not bit for
-    bit: torch's compiled kernels contract some paths and not others (torch 2.11's float32 Adam rounds the
-    weight-decay product before the add where no grad_scale is given and fuses the two where one is: the SASS
-    in its libtorch_cuda.so), and an H200 run found elements a rounding apart; bench/cuda_step_bits.py counts
-    them per option."""
+    bit: torch's compiled kernels contract some paths and not others. On an H200 with torch 2.11 every option
+    with grad_scale gave torch's bits, and without it Adam with coupled weight decay (no AMSGrad) and SGD with
+    momentum and maximize parted by roundings (bench/cuda_step_bits.py; the SASS in libtorch_cuda.so shows the
+    weight-decay product rounded before the add on one path and fused on the other)."""
     for position in positions:
         for a, b in zip(ours[position], theirs[position]):
             where = (position, a.numel(), context)
