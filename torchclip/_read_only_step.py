@@ -1,8 +1,8 @@
 """The one place torchclip runs torch.optim's fused steps itself: Adam, AdamW, SGD and Adagrad with a clip
 folded into them (torchclip.optim) step through torchclip's ops (adam_step_, sgd_step_, adagrad_step_; on
 CUDA adam_step_ and sgd_step_), which read each gradient once and never write it, where torch's fused kernels
-write every gradient back divided by grad_scale. That write is ~1.5 reads of the gradients on a 24 x 1M AdamW step (2 cores), more
-than the clip's own norm pass.
+write every gradient back divided by grad_scale. That write is ~1.5 reads of the gradients on a 24 x 1M AdamW
+step (2 cores), more than the clip's own norm pass.
 
 Each step is torch's <Optimizer>.step with one call swapped: it leans on two of torch's optimizer internals
 per class, <Optimizer>._init_group (the lazy state) and the functional torch.optim.<module>.<name> (what the
@@ -169,7 +169,7 @@ def adagrad_step(optimizer: torch.optim.Adagrad, closure=None):
             }
             lists = (params, grads, state_sums, state_steps)
             scaling = {"grad_scale": grad_scale, "found_inf": found_inf}
-            # (adagrad_step_ has no CUDA kernel yet: a CUDA group takes torch's fused step)
+            # (adagrad_step_ is the CPU's alone: a CUDA group takes torch's step)
             on_kernels = _group_on_kernels(group, params, ("cpu",)) and not (has_sparse_grad or has_complex)
             if on_kernels and _ops.adagrad_step_(*lists, **scaling, **hyperparameters):
                 continue
