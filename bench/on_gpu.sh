@@ -2,8 +2,8 @@
 # One lease of a GPU machine (issue 19): build in place against the machine's torch, run the CUDA tests
 # and the rest of the suite, time the CUDA rows, break down the host cost. Logs go to $OUT (or bench/out).
 #
-#   bench/on_gpu.sh [build] [test] [suite] [bench] [host] [results] [training] [step] [step-bits] [exact-memory]
-#                   [exact-cost] [exact-profile]
+#   bench/on_gpu.sh [build] [test] [suite] [bench] [host] [results] [training] [step] [step-bits] [step-profile]
+#                   [exact-memory] [exact-cost] [exact-profile]
 #   (default: build test bench host)
 #
 # The machine's default compiler wrapper (/opt/gcc/bin/g++) once built a _cuda module that crashed while
@@ -77,12 +77,29 @@ print(f"exact norm: free device memory {before:.0f} MiB -> {free():.0f} MiB")' 2
       # Nsight Compute on one exact launch over GPT-2's gradients (float32, or PROFILE_DTYPE): throughput,
       # occupancy, where warps stall
       timeout 120 ncu --kernel-name regex:exact_norm_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight \
-        --section Occupancy --section WarpStateStats --section LaunchStats "$python" -c 'import torch, torchclip
+        --section Occupancy --section WarpStateStats --section LaunchStats --section ComputeWorkloadAnalysis \
+        "$python" -c 'import torch, torchclip
 from torchclip.bench import workloads
 from torchclip.bench.timing import Grads
 g = Grads(workloads.resolve("gpt2_124m")[1], getattr(torch, "'"${PROFILE_DTYPE:-float32}"'"), device="cuda")
 for _ in range(4): torchclip.get_total_norm(g.grads, exact=True)
 torch.cuda.synchronize()' 2>&1 | tee "$out/exact_profile.txt" | tail -80
+      ;;
+    step-profile)
+      # Nsight Compute on one read-only AdamW step (adam_kernel's launches, 48 tensors each) and one of torch's fused
+      # AdamW (FusedAdamMathFunctor's), GPT-2's float32 parameters: throughput, occupancy, memory
+      timeout 150 ncu --kernel-name-base mangled --kernel-name regex:"adam_kernel|FusedAdamMathFunctor" \
+        --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis "$python" -c 'import torch, torchclip
+from torchclip.bench import workloads
+shapes = workloads.resolve("gpt2_124m")[1]
+for optimizer_class, clip in ((torchclip.optim.AdamW, torchclip.ClipGradByGlobalNorm(1e9)), (torch.optim.AdamW, None)):
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    options = {"grad_clip": clip} if clip is not None else {}
+    optimizer = optimizer_class(params, lr=1e-3, fused=True, **options)
+    optimizer.step()
+torch.cuda.synchronize()' 2>&1 | tee "$out/step_profile.txt" | tail -80
       ;;
     host)
       "$python" bench/cuda_host_cost.py --workload 10000x100 --workload gpt2_124m --workload resnet50 ${HOST_ARGS:-} 2>&1 | tee "$out/host_cost.txt"
