@@ -7,9 +7,12 @@
 
 #include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/linalg_vector_norm.h>
+#include <ATen/ops/mul.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/sqrt.h>
 #include <ATen/ops/view_as_real.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/BFloat16.h>
@@ -60,11 +63,18 @@ inline std::optional<DType> kernel_dtype(const at::Tensor& t) {
   return kernel_dtype_of(t.scalar_type());
 }
 
-// A tensor the kernels do not walk as it is (ATen's path), as dense real terms an exact sum of squares or
-// absolute values can walk: a complex tensor by its real view (|z|^2 is its parts' squares; its p = 1 norm
-// is no sum of them: the caller's case), a lazy negation or conjugation resolved; nullopt where no kernel
-// dtype holds the values (integers). The copy, if one is made, lives as long as the returned tensor.
-inline std::optional<std::pair<at::Tensor, DType>> exact_terms(const at::Tensor& t) {
+// A tensor the kernels do not walk as it is (ATen's path), as dense real terms an exact sum of squares (kind
+// Two) or absolute values (One) can walk: a complex tensor by its real view for p = 2 (|z|^2 is its parts'
+// squares), for p = 1 by its magnitudes, each sqrt(re * re + im * im) in float64, one IEEE operation at a time
+// in ATen's kernels (no contraction across kernels, a correctly rounded square root), so the CPU and CUDA give
+// the same terms and their sum is one function of the data; a lazy negation or conjugation resolved; nullopt
+// where no kernel dtype holds the values (integers). The copy lives as long as the returned tensor.
+inline std::optional<std::pair<at::Tensor, DType>> exact_terms(const at::Tensor& t, NormKind kind) {
+  if (t.is_complex() && kind == NormKind::One) {
+    const at::Tensor parts = at::view_as_real(t.resolve_conj()).to(at::kDouble);
+    const at::Tensor re = parts.select(-1, 0), im = parts.select(-1, 1);
+    return std::pair{at::sqrt(at::add(at::mul(re, re), at::mul(im, im))).contiguous(), DType::Float64};
+  }
   const at::Tensor real = (t.is_complex() ? at::view_as_real(t.resolve_conj()) : t).resolve_neg().contiguous();
   const std::optional<DType> dtype = kernel_dtype(real);
   if (!dtype) {

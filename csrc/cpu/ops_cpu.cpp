@@ -80,26 +80,20 @@ struct WideNorms {
   std::optional<double> exact_total;  // correctly rounded; set where the exact norms took the total
 };
 
-// A list as the exact kernel's input: the kernels' spans, then ATen's tensors copied dense (a complex
-// tensor's squared magnitudes are its real view's squares). `inexact`: tensors whose norm is not a sum of
-// exact terms (a complex tensor's p = 1 norm), left out of the spans.
+// A list as the exact kernel's input: the kernels' spans, then ATen's tensors as dense exact terms
+// (exact_terms: a complex tensor's real view, or its magnitudes for p = 1). check_norm_inputs has refused
+// what no kernel dtype holds.
 struct ExactInput {
   std::vector<cpu::TensorSpan> spans;
   std::vector<int64_t> sources;  // spans[k] is tensors[sources[k]]
   std::vector<at::Tensor> dense;  // (kept alive while the kernels read them)
-  std::vector<int64_t> inexact;
 };
 
 ExactInput exact_input(at::TensorList tensors, const Split& split, NormKind kind) {
-  ExactInput input{{split.spans.begin(), split.spans.end()}, {split.span_source.begin(), split.span_source.end()}, {},
-      {}};
+  ExactInput input{{split.spans.begin(), split.spans.end()}, {split.span_source.begin(), split.span_source.end()}, {}};
   for (int64_t i : split.aten_path) {
-    const at::Tensor& t = tensors[i];
-    const auto terms = t.is_complex() && kind == NormKind::One ? std::nullopt : exact_terms(t);
-    if (!terms) {
-      input.inexact.push_back(i);
-      continue;
-    }
+    const auto terms = exact_terms(tensors[i], kind);
+    TORCH_INTERNAL_ASSERT(terms, "torchclip: exact norms of a ", tensors[i].scalar_type(), " tensor");
     const auto& [real, dtype] = *terms;
     input.dense.push_back(real);
     input.spans.push_back({real.data_ptr(), real.numel(), dtype});
@@ -117,23 +111,8 @@ double exact_norm_of(const ExactSum& sum, int32_t flags, NormKind kind) {
   return sum.norm(flags, kind == NormKind::Two);
 }
 
-// An inexact tensor's p = 1 norm (float64, by ATen) into an exact sum of |x| terms, as one more term:
-// the sum stays one function of the terms, and ranks holding such a piece exchange the same rows.
-double add_inexact_norm(const at::Tensor& t, ExactSum& sum, int32_t& flags) {
-  const double norm = aten_norm(t, 1.0);
-  if (std::isnan(norm)) {
-    flags |= 1;
-  } else if (std::isinf(norm)) {
-    flags |= 2;
-  } else {
-    sum.add(norm);
-  }
-  return norm;
-}
-
-// Exact norms (p = 1, 2): the kernels' exact sums over every tensor, a complex tensor's 1-norm (not a
-// sum of exact terms) entering as its float64 value. Without per_tensor, only the total is wanted: the
-// per-tensor norms of the kernels' tensors are left 0.
+// Exact norms (p = 1, 2): the kernels' exact sums over every tensor. Without per_tensor, only the total is
+// wanted: the per-tensor norms of the kernels' tensors are left 0.
 WideNorms exact_norms_wide(at::TensorList tensors, const Split& split, double ord, bool per_tensor) {
   const NormKind kind = exact_kind(ord);
   const ExactInput input = exact_input(tensors, split, kind);
@@ -145,9 +124,6 @@ WideNorms exact_norms_wide(at::TensorList tensors, const Split& split, double or
       per_tensor ? span_norms.data() : nullptr, &total, &flags);
   for (size_t k = 0; k < input.spans.size(); ++k) {
     out.norms[input.sources[k]] = span_norms[k];
-  }
-  for (int64_t i : input.inexact) {
-    out.norms[i] = add_inexact_norm(tensors[i], total, flags);
   }
   out.exact_total = exact_norm_of(total, flags, kind);
   return out;
@@ -293,9 +269,6 @@ at::Tensor exact_sums_cpu(at::TensorList tensors, double ord, bool per_tensor) {
     int32_t flags = 0;
     cpu_kernels().exact_norms(input.spans.data(), static_cast<int64_t>(input.spans.size()), kind, nullptr, &total,
         &flags);
-    for (int64_t i : input.inexact) {
-      add_inexact_norm(tensors[i], total, flags);
-    }
     write_row(0, total, flags);
     return out;
   }
@@ -304,12 +277,6 @@ at::Tensor exact_sums_cpu(at::TensorList tensors, double ord, bool per_tensor) {
     int32_t flags = 0;
     cpu_kernels().exact_norms(&input.spans[k], 1, kind, nullptr, &sum, &flags);
     write_row(input.sources[k], sum, flags);
-  }
-  for (int64_t i : input.inexact) {
-    ExactSum sum;
-    int32_t flags = 0;
-    add_inexact_norm(tensors[i], sum, flags);
-    write_row(i, sum, flags);
   }
   return out;
 }

@@ -375,15 +375,6 @@ __global__ void __launch_bounds__(kTotalThreads) exact_total_kernel(const long l
   }
 }
 
-// The float64 1-norm of a tensor the kernels do not read (a complex one, as the CPU takes it) as one term of
-// the total, and its norm.
-__global__ void exact_add_norm_kernel(const double* value, long long* total_row, double* norm) {
-  add_term_or_flag<NormKind::One>(total_row, reinterpret_cast<unsigned*>(total_row + kDigits), *value);
-  if (norm != nullptr) {
-    *norm = *value;
-  }
-}
-
 template <NormKind kKind>
 void launch_exact(const DeviceSpan* spans, int64_t count, long long* accumulators, int32_t* arrivals, double* norms,
     cudaStream_t stream) {
@@ -398,12 +389,6 @@ void launch_exact(const DeviceSpan* spans, int64_t count, long long* accumulator
 
 int64_t exact_accumulator_rows(const DeviceSpan* spans, int64_t count, bool per_tensor_norms) {
   return 1 + (per_tensor_norms ? norm_slot_count(spans, count) : 0);
-}
-
-void exact_add_norm(const double* value, int64_t position, int64_t* accumulators, double* norms, cudaStream_t stream) {
-  exact_add_norm_kernel<<<1, 1, 0, stream>>>(value, reinterpret_cast<long long*>(accumulators),
-      norms != nullptr ? norms + position : nullptr);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void exact_norms(const DeviceSpan* spans, int64_t count, NormKind kind, double* norms, double* total,

@@ -49,21 +49,16 @@ void total_norm(const double* norms, int64_t count, NormOrder order, double* tot
 // Exact norms, kind One or Two (cpu/exact_norm_kernel.cpp's, the same bits): norms[spans[k].index] =
 // each span's norm correctly rounded (NaN where it holds a NaN, else inf where an inf; norms may be null,
 // and positions with no span are left as they are), and where total is not null, *total = the total over
-// every span (and every exact_add_norm before it) rounded once and *coefficient as total_norm's
-// (coefficient may be null). `accumulators` holds exact_accumulator_rows() zeroed rows of
-// kExactAccumulatorWords int64s (ExactSum's digits, then NaN/inf flags): the total's, then, where norms
-// are asked for, one per chunk of the spans longer than one chunk (norm_slot_count's numbering); `arrivals`
-// one zeroed int32 per list position where norms are asked for (else it may be null).
+// every span rounded once and *coefficient as total_norm's (coefficient may be null). `accumulators` holds
+// exact_accumulator_rows() zeroed rows of kExactAccumulatorWords int64s (ExactSum's digits, then NaN/inf
+// flags): the total's, then, where norms are asked for, one per chunk of the spans longer than one chunk
+// (norm_slot_count's numbering); `arrivals` one zeroed int32 per list position where norms are asked for
+// (else it may be null).
 constexpr int64_t kExactAccumulatorWords = 137;
 int64_t exact_accumulator_rows(const DeviceSpan* spans, int64_t count, bool per_tensor_norms);
 void exact_norms(const DeviceSpan* spans, int64_t count, NormKind kind, double* norms, double* total,
     double* coefficient, double max_norm, double eps, bool skip_nonfinite, int64_t* accumulators, int32_t* arrivals,
     cudaStream_t stream);
-
-// The float64 *value (a device number: the 1-norm of a tensor no span covers, a complex one) as one term of
-// exact_norms' total, and norms[position] = *value (norms may be null). Launched before exact_norms on the
-// same accumulators.
-void exact_add_norm(const double* value, int64_t position, int64_t* accumulators, double* norms, cudaStream_t stream);
 
 // Per-tensor clipping coefficients from per-tensor 2-norms: scales[i] = 1 where norms[i] <= max_norm,
 // else max_norm / norms[i] (NaN for a NaN norm); all 1 when skip_nonfinite and any norm is NaN or inf.

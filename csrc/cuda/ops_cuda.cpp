@@ -127,21 +127,15 @@ at::Tensor aten_norm(const at::Tensor& t, double ord) {
 
 // Exact norms (orders 1 and 2; cpu/ops_cpu.cpp's exact_norms_wide is the specification), into the
 // tensors given: per-tensor norms (norms), the total (total) and the clip coefficient (coefficient, with
-// total), each float64 on the device. ATen's tensors are copied dense first (a complex tensor's 2-norm
-// by its real view); false, with nothing computed, where one's norm is not an exact sum (a complex
-// tensor's 1-norm): the caller keeps float64 accumulation.
+// total), each float64 on the device. ATen's tensors are made dense exact terms first (exact_terms: a
+// complex tensor's real view, or its magnitudes for p = 1); false, with nothing computed, where no kernel
+// dtype holds one's values: the caller keeps float64 accumulation.
 bool exact_norms_into(at::TensorList tensors, const DeviceSplit& split, double ord, at::Tensor* norms,
     at::Tensor* total, at::Tensor* coefficient, double max_norm, double eps, bool skip_nonfinite, cudaStream_t stream) {
   std::vector<DeviceSpan> spans = split.spans;
   std::vector<at::Tensor> dense;  // (freed to the caching allocator in stream order: safe for the kernels)
-  std::vector<std::pair<int64_t, at::Tensor>> added_norms;  // as the CPU: a complex 1-norm, one float64 term
   for (int64_t i : split.aten_path) {
-    const at::Tensor& t = tensors[i];
-    if (t.is_complex() && ord == 1.0) {
-      added_norms.emplace_back(i, aten_norm(t, 1.0));
-      continue;
-    }
-    const auto terms = exact_terms(t);
+    const auto terms = exact_terms(tensors[i], ord == 1.0 ? NormKind::One : NormKind::Two);
     if (!terms) {
       return false;
     }
@@ -164,10 +158,6 @@ bool exact_norms_into(at::TensorList tensors, const DeviceSplit& split, double o
   const int64_t rows = cuda::exact_accumulator_rows(spans.data(), span_count, norms != nullptr);
   const at::Tensor accumulators = at::zeros({rows, cuda::kExactAccumulatorWords}, options.dtype(at::kLong));
   const at::Tensor arrivals = rows > 1 ? at::zeros({count}, options.dtype(at::kInt)) : at::Tensor();
-  for (const auto& [position, value] : added_norms) {
-    cuda::exact_add_norm(value.data_ptr<double>(), position, accumulators.data_ptr<int64_t>(),
-        norms != nullptr ? norms->data_ptr<double>() : nullptr, stream);
-  }
   cuda::exact_norms(spans.data(), span_count, ord == 1.0 ? NormKind::One : NormKind::Two,
       norms != nullptr ? norms->data_ptr<double>() : nullptr, total != nullptr ? total->data_ptr<double>() : nullptr,
       coefficient != nullptr ? coefficient->data_ptr<double>() : nullptr, max_norm, eps, skip_nonfinite,
