@@ -40,7 +40,7 @@ at::Tensor clip_by_tensor_norm_cpu_split(at::TensorList tensors, const Split& sp
 // Exact sums across ranks (torchclip.distributed): rows of kExactSumColumns int64s, [NaN seen, inf seen,
 // ExactSum::to_digits], one for the whole list or one per tensor. Rows from any number of ranks below 2^31
 // add element-wise in int64 exactly, in any order; norms_of_exact_sums rounds each summed row once
-// (float64 norms of order ord, 1 or 2). A complex tensor's 1-norm enters as its float64 value.
+// (float64 norms of order ord, 1 or 2). A complex tensor's 1-norm enters as its magnitudes (exact_terms).
 constexpr int64_t kExactSumColumns = 2 + ExactSum::kDigits;
 at::Tensor exact_sums_cpu(at::TensorList tensors, double ord, bool per_tensor);
 at::Tensor norms_of_exact_sums(const at::Tensor& sums, double ord);
