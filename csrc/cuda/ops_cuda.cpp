@@ -133,9 +133,10 @@ at::Tensor aten_norm(const at::Tensor& t, double ord) {
 bool exact_norms_into(at::TensorList tensors, const DeviceSplit& split, double ord, at::Tensor* norms,
     at::Tensor* total, at::Tensor* coefficient, double max_norm, double eps, bool skip_nonfinite, cudaStream_t stream) {
   std::vector<DeviceSpan> spans = split.spans;
+  const NormKind kind = ord == 1.0 ? NormKind::One : NormKind::Two;
   std::vector<at::Tensor> dense;  // (freed to the caching allocator in stream order: safe for the kernels)
   for (int64_t i : split.aten_path) {
-    const auto terms = exact_terms(tensors[i], ord == 1.0 ? NormKind::One : NormKind::Two);
+    const auto terms = exact_terms(tensors[i], kind);
     if (!terms) {
       return false;
     }
@@ -158,8 +159,8 @@ bool exact_norms_into(at::TensorList tensors, const DeviceSplit& split, double o
   const int64_t rows = cuda::exact_accumulator_rows(spans.data(), span_count, norms != nullptr);
   const at::Tensor accumulators = at::zeros({rows, cuda::kExactAccumulatorWords}, options.dtype(at::kLong));
   const at::Tensor arrivals = rows > 1 ? at::zeros({count}, options.dtype(at::kInt)) : at::Tensor();
-  cuda::exact_norms(spans.data(), span_count, ord == 1.0 ? NormKind::One : NormKind::Two,
-      norms != nullptr ? norms->data_ptr<double>() : nullptr, total != nullptr ? total->data_ptr<double>() : nullptr,
+  cuda::exact_norms(spans.data(), span_count, kind, norms != nullptr ? norms->data_ptr<double>() : nullptr,
+      total != nullptr ? total->data_ptr<double>() : nullptr,
       coefficient != nullptr ? coefficient->data_ptr<double>() : nullptr, max_norm, eps, skip_nonfinite,
       accumulators.data_ptr<int64_t>(), rows > 1 ? arrivals.data_ptr<int32_t>() : nullptr, stream);
   return true;
