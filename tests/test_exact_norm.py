@@ -218,6 +218,37 @@ def runs_at_their_bounds(dtype, norm_type, seed):
 def test_runs_stop_at_their_bounds(exact, dtype, norm_type):
     t = runs_at_their_bounds(dtype, norm_type, seed=11)
     assert kernel_sums([t], norm_type)[0] == exact_sum([t], norm_type)
+    # A long span of 16-bit values is walked as four streams side by side, which meet its blocks out of this
+    # order; as tensors of three blocks each (one stream) the runs meet them in order, across the tensors for
+    # the total, and fill up to their bounds.
+    pieces = list(t.split(3 * 1024))
+    assert kernel_sums(pieces, norm_type)[-1] == exact_sum(pieces, norm_type)
+
+
+@pytest.mark.parametrize("norm_type", ORDERS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_long_spans_walked_as_streams(exact, dtype, norm_type):
+    # 16-bit spans of four blocks or more: a short first block up to a block's edge in memory, whole blocks
+    # walked as four streams (some left over), a tail; at every offset from the edge, at the sizes where
+    # streams begin, and with blocks of different scales meeting in the runs.
+    scales = torch.exp2(torch.randint(-12, 4, (48,), generator=torch.Generator().manual_seed(5)).double())
+    base = (make_tensor((48 * 1024,), torch.float64, seed=3) * scales.repeat_interleave(1024)).to(dtype)
+    base[5000:6000] = 0
+    spans = [
+        base[offset : offset + n]
+        for offset, n in [
+            (0, 4096),
+            (0, 4097),
+            (1, 4095 + 1024),
+            (7, 5 * 1024),
+            (1000, 8 * 1024 + 3),
+            (1024, 16 * 1024),
+            (333, 17 * 1024 + 100),
+            (2, 30_000),
+            (0, 48 * 1024),
+        ]
+    ]
+    assert kernel_sums(spans, norm_type) == [*(exact_sum([s], norm_type) for s in spans), exact_sum(spans, norm_type)]
 
 
 def small_spans_of_every_type(seed):

@@ -204,6 +204,16 @@ inline f32v load_f32(const c10::BFloat16* p) {
   return (f32v)(load_u16_widened(p) << 16);
 }
 
+// 2 * kBlock bfloat16 values at p as two float32 vectors, those at even and at odd positions: one full-width load,
+// a shift and a mask, where two load_f32 take two widening loads (on the shuffle port) and two shifts. Only for
+// sums whose order does not matter (the exact kernels).
+inline void load_f32_interleaved(const c10::BFloat16* p, f32v& even, f32v& odd) {
+  u32v pairs;
+  std::memcpy(&pairs, p, sizeof(pairs));
+  even = (f32v)(pairs << 16);
+  odd = (f32v)(pairs & 0xFFFF0000u);
+}
+
 inline f32v load_f32(const c10::Half* p) {
 #if defined(__AVX512F__)
   return (f32v)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
