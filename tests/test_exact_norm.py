@@ -229,7 +229,7 @@ def test_runs_stop_at_their_bounds(exact, dtype, norm_type):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_long_spans_walked_as_streams(exact, dtype, norm_type):
     # 16-bit spans of four blocks or more: a short first block up to a block's edge in memory, whole blocks
-    # walked as four streams (some left over), a tail; at every offset from the edge, at the sizes where
+    # walked as four streams (some left over), a tail; at several offsets from the edge, at the sizes where
     # streams begin, and with blocks of different scales meeting in the runs.
     scales = torch.exp2(torch.randint(-12, 4, (48,), generator=torch.Generator().manual_seed(5)).double())
     base = (make_tensor((48 * 1024,), torch.float64, seed=3) * scales.repeat_interleave(1024)).to(dtype)
