@@ -164,13 +164,13 @@ double from_bits(StorageBits<T> bits) {
 // (its middle cut into kStreams parts): a block of each is bounded in one loop, its reads asking
 // kStreamPrefetchBytes ahead of each stream into L1, then each block is summed from L1, the runs asking for
 // that stream's next block into L2 as they go. More streams keep more reads in flight: 64M normal bfloat16
-// values, one AVX-512 core (a harness around this file, exact / today's norm in one process, five runs
-// alternated), 1.28-1.43 walked as four streams, 1.53-1.62 as one; 8 MB of them (in L3) 0.152 against 0.166 ns
-// an element. float32 values, whose quanta run takes longer per byte, gained nothing from memory (1.19-1.23
-// against 1.23-1.26) and lost 4% in L3 (0.205 against 0.197 ns), so they, and spans too short for four
-// streams, are one stream: the bounds ask kPrefetchBytes ahead into L2, the quanta run kL1PrefetchBytes ahead
-// into L1 (0.59 ns an element without either, 0.38 with the first, 0.33 with both; the plain run's loop gained
-// nothing from the second).
+// values, one AVX-512 core (a harness around this file, exact / today's norm in one process, the median of five
+// alternated runs), 1.35 walked as four streams, 1.58 as one; 8 MB of them (in L3) 0.152 against 0.166 ns an
+// element. float32 values, whose quanta run takes longer per byte, gained nothing from memory (1.23 against
+// 1.24) and lost 4% in L3 (0.205 against 0.197 ns), so they, and spans too short for four streams, are one
+// stream: the bounds ask kPrefetchBytes ahead into L2, the quanta run kL1PrefetchBytes ahead into L1 (0.59 ns
+// an element without either, 0.38 with the first, 0.33 with both; the plain run's loop gained nothing from the
+// second).
 template <typename T>
 constexpr int kStreams = sizeof(T) == 2 ? 4 : 1;
 constexpr int64_t kStreamPrefetchBytes = 512;
