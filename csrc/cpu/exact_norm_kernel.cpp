@@ -532,8 +532,9 @@ class TermSums {
         add_short(x, to_boundary);
         begin = to_boundary;
       }
-      // The whole blocks after it as kStreams<T> streams, the rest block by block.
-      const int64_t per_stream = kStreams<T> == 1 ? 0 : (n - begin) / kExactBlock / kStreams<T>;
+      // The whole blocks after it as kStreams<T> streams (float32's one visits them in order), the rest block by
+      // block.
+      const int64_t per_stream = (n - begin) / kExactBlock / kStreams<T>;
       if (per_stream != 0) {
         add_streams(x + begin, per_stream);
         begin += kStreams<T> * per_stream * kExactBlock;
