@@ -5,9 +5,9 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-# The kernels' threads on every call (csrc/cpu/multi_tensor.h's ThreadsLosing): a 2-thread case runs on 2 threads
-# however busy the machine is, not on one after a call the threads lost.
-os.environ.setdefault("TORCHCLIP_THREAD_BACKOFF", "0")
+# The kernels' threads on every call (csrc/cpu/multi_tensor.h's ThreadsLosing): the item pool, unless the command
+# chose torch's (./dev test-torch does), so that each path is covered however busy the machine is.
+os.environ.setdefault("TORCHCLIP_THREADS", "pool")
 
 from hypothesis import settings
 from testing import KernelSpy, requires_cuda

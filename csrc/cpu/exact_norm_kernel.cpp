@@ -715,7 +715,7 @@ void exact_norms_of(const TensorSpan* spans, int64_t count, double* norms, Exact
   ExactPartial all;
   if (norms == nullptr) {  // the total alone
     parallel_for_pieces(plan, spans, [&](const Piece& piece) {
-      add_piece(per_thread[at::get_thread_num()], spans[piece.tensor], piece.begin, piece.end);
+      add_piece(per_thread[ItemPool::taker()], spans[piece.tensor], piece.begin, piece.end);
     });
   } else {
     // The pieces of a tensor cut into several each get a slot, merged below; whole tensors are finished where
@@ -737,7 +737,7 @@ void exact_norms_of(const TensorSpan* spans, int64_t count, double* norms, Exact
         return;
       }
       norms[piece.tensor] = rounded_norm<kKind>(partial);
-      per_thread[at::get_thread_num()].add_partial(partial);
+      per_thread[ItemPool::taker()].add_partial(partial);
     });
     ExactPartial whole;
     for (const Chunk& chunk : plan.chunks) {

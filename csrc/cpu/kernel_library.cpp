@@ -1,6 +1,7 @@
 // The one exported symbol of a per-ISA kernel library. Built once per instruction set with
 // TORCHCLIP_CPU_CAPABILITY set to that set's name (see setup.py / CMakeLists.txt); everything else
 // in the library has hidden visibility.
+#include "item_pool.h"
 #include "kernels.h"
 
 #ifndef TORCHCLIP_CPU_CAPABILITY
@@ -20,6 +21,7 @@ extern "C" __attribute__((visibility("default"))) const torchclip::cpu::KernelTa
       &torchclip::cpu::sgd_step,
       &torchclip::cpu::adagrad_step,
       &torchclip::cpu::per_sample_accumulate,
+      &torchclip::cpu::ItemPool::use,
   };
   return &table;
 }

@@ -1,5 +1,7 @@
 #include "kernel_loader.h"
 
+#include "item_pool.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/cpu/Utils.h>
 #include <c10/util/Exception.h>
@@ -68,6 +70,7 @@ std::string load_cpu_kernels(const std::string& path) {
       ". Rebuild torchclip: pip install --no-build-isolation -e .");
   TORCH_CHECK(cpu_runs(table->capability), "torchclip: this CPU cannot run the ", table->capability,
       " kernel library '", path, "'; load one for an instruction set it has");
+  table->share_item_pool(&cpu::ItemPool::of_this_library);
   active_table.store(table);
   return table->capability;
 }

@@ -14,9 +14,11 @@
 
 namespace torchclip::cpu {
 
+class ItemPool;  // item_pool.h
+
 // Bumped whenever a struct below changes layout or a kernel's contract, so a stale kernel library is
 // refused, not misread.
-constexpr int32_t kKernelAbiVersion = 7;
+constexpr int32_t kKernelAbiVersion = 8;
 
 // A dense, non-overlapping run of `numel` elements: either a contiguous tensor or any tensor whose
 // strides are a permutation of contiguous ones. Element order does not matter to any kernel here
@@ -103,6 +105,10 @@ struct KernelTable {
   // divisor. With no rows and accumulate, summed is only read (grad = its noisy copy; -0.0 stays -0.0).
   // Each element is computed by one thread in a fixed order, so the results do not depend on the thread count.
   void (*per_sample_accumulate)(const PerSampleParam* params, int64_t count, const PerSampleStep* step);
+
+  // Points the library's threaded kernels at the process's pool of helper threads (item_pool.h), the loader's,
+  // which the parameter walk uses too; until then they use a pool of the library's own.
+  void (*share_item_pool)(ItemPool& (*pool_of_process)());
 };
 
 }  // namespace torchclip::cpu

@@ -1,5 +1,5 @@
 // The multi-tensor walk shared by every CPU kernel: many tensors, cut into pieces and chunks of about
-// equal element counts (not tensor counts), handed to torch's intra-op threads one chunk at a time, so
+// equal element counts (not tensor counts), handed to threads one chunk at a time (parallel_for_each_item), so
 // 10,000 tiny tensors and one huge tensor both keep every core busy, and a core another process shares
 // takes fewer chunks.
 //
@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "item_pool.h"
 #include "kernel_table.h"
 
 namespace torchclip::cpu {
@@ -130,53 +131,59 @@ inline void for_each_piece(const ChunkPlan& plan, const TensorSpan* spans, F&& f
   }
 }
 
-// When threads lose a call: OpenMP's parallel region ends only when every thread has arrived, and a thread whose
-// core a busy neighbour (a data loader's worker) holds arrives a timeslice late, however little is left for it: 2,000
-// x 64x64's get_total_norm took 5-7 ms on 2 threads beside a spinning process where it took 1.4 ms on one, in two
-// runs of three, and torch's own ops do the same. A call that the threads made slower than its calling thread alone
-// would have been (its own rate over every item) by more than kLostBy sends the next calls to the calling thread
-// alone, 2, 4, 8 and then 16 of them before threads are tried again, and a call the threads won resets that.
-// Process-wide: one neighbour slows every call alike. TORCHCLIP_THREAD_BACKOFF=0 keeps the threads on every call
-// (the tests set it, so that their 2-thread cases run on 2 threads however busy the machine is).
+// Whose threads a call runs on. torch's intra-op threads (OpenMP) are the fast choice while the cores are free:
+// after torch's own parallel ops (backward's, before a clip) they are still spinning, ready, for a millisecond or so,
+// and a thread of our own woken beside them waits for a core (the item pool alone took 10,000 x 100's
+// get_total_norm from 1.00 to 1.46 ms, 1.16x on ResNet-50, until OMP_WAIT_POLICY=passive stopped the spinning).
+// But OpenMP's parallel region ends only when every thread has arrived, and a thread whose core a busy neighbour (a
+// data loader's worker) holds arrives a timeslice late, however little is left for it: 2-6x as long on 2 threads as
+// on 1. So a call runs on torch's threads until one that they made slower than its calling thread alone would have
+// been (its own rate over every item) by more than kLostBy; then the next 2, 4, 8 and up to 16 calls run on the item
+// pool (item_pool.h), which never waits for a thread that has not started, before torch's threads are tried again,
+// and a call they win resets that. Process-wide, per library: one neighbour slows every call alike.
+// TORCHCLIP_THREADS=openmp or =pool keeps every call on one of the two (the tests choose, so that each path is
+// covered however busy the machine is).
 class ThreadsLosing {
  public:
-  // Whether this call should run on the calling thread alone (counted down when so).
-  static bool solo_now() {
-    if (!enabled()) {
-      return false;
+  // Whether this call should run on the item pool (counted down when so).
+  static bool pool_now() {
+    if (mode() != Mode::Adaptive) {
+      return mode() == Mode::Pool;
     }
-    int left = solo_left().load(std::memory_order_relaxed);
-    while (left > 0 && !solo_left().compare_exchange_weak(left, left - 1, std::memory_order_relaxed)) {
+    int left = pool_left().load(std::memory_order_relaxed);
+    while (left > 0 && !pool_left().compare_exchange_weak(left, left - 1, std::memory_order_relaxed)) {
     }
     return left > 0;
   }
 
-  // A parallel call's outcome: it took `total` seconds, the calling thread ran `own` items of `count` and was done
+  // A call on torch's threads: it took `total` seconds, the calling thread ran `own` items of `count` and was done
   // with them `own_done` seconds in.
   static void record(double total, double own_done, int64_t own, int64_t count) {
-    if (!enabled()) {
+    if (mode() != Mode::Adaptive) {
       return;
     }
     if (own > 0 && total * static_cast<double>(own) > kLostBy * own_done * static_cast<double>(count)) {
-      const int next = std::min(2 * std::max(backoff().load(std::memory_order_relaxed), 1), kMaxSoloCalls);
+      const int next = std::min(2 * std::max(backoff().load(std::memory_order_relaxed), 1), kMaxPoolCalls);
       backoff().store(next, std::memory_order_relaxed);
-      solo_left().store(next, std::memory_order_relaxed);
+      pool_left().store(next, std::memory_order_relaxed);
     } else {
       backoff().store(0, std::memory_order_relaxed);
     }
   }
 
  private:
-  static constexpr double kLostBy = 2.0;  // (a call a little slower on threads is not worth giving them up)
-  static constexpr int kMaxSoloCalls = 16;
-  static bool enabled() {
-    static const bool on = [] {
-      const char* setting = std::getenv("TORCHCLIP_THREAD_BACKOFF");
-      return setting == nullptr || std::string_view(setting) != "0";
+  static constexpr double kLostBy = 2.0;  // (a call a little slower on threads is not worth leaving them for)
+  static constexpr int kMaxPoolCalls = 16;
+  enum class Mode { Adaptive, OpenMP, Pool };
+  static Mode mode() {
+    static const Mode chosen = [] {
+      const char* setting = std::getenv("TORCHCLIP_THREADS");
+      const std::string_view name = setting == nullptr ? "" : setting;
+      return name == "openmp" ? Mode::OpenMP : name == "pool" ? Mode::Pool : Mode::Adaptive;
     }();
-    return on;
+    return chosen;
   }
-  static std::atomic<int>& solo_left() {
+  static std::atomic<int>& pool_left() {
     static std::atomic<int> value{0};
     return value;
   }
@@ -186,19 +193,31 @@ class ThreadsLosing {
   }
 };
 
-// Calls work(i) once for each i in [0, count): on this thread alone when threads <= 1 (or inside a parallel
-// region, or while ThreadsLosing says so), else on `threads` of torch's intra-op threads, each taking the next i
-// from a shared counter when it has finished one. A static split (thread t takes the t-th share) made every call
-// wait for its slowest thread, and a thread is slow whenever another process shares its core (a data loader's
-// worker beside training); taken one at a time, the items go to whichever thread is running. Nothing may depend
-// on which thread ran an item: each item's result has its own slot, combined in item order (or, for exact sums,
-// in any order).
+// Calls work(i) once for each i in [0, count): on this thread alone when threads <= 1 (or inside another call's
+// item or torch's parallel region), else on this thread and threads - 1 others, torch's or the item pool's as
+// ThreadsLosing says, each taking the next i from a shared counter when it has finished one (a static split made
+// every call wait for its slowest thread, and a thread is slow whenever another process shares its core). Nothing
+// may depend on which thread ran an item: each item's result has its own slot, combined in item order (or, for
+// exact sums, in any order), or its thread's (ItemPool::taker()).
 template <typename Work>
 inline void parallel_for_each_item(int64_t count, int64_t threads, const Work& work) {
-  if (threads <= 1 || count <= 1 || at::in_parallel_region() || ThreadsLosing::solo_now()) {
+  if (threads <= 1 || count <= 1 || ItemPool::in_item() || at::in_parallel_region()) {
     for (int64_t i = 0; i < count; ++i) {
       work(i);
     }
+    return;
+  }
+  const int takers = static_cast<int>(std::min(threads, count));
+  if (count < (int64_t{1} << 31) && ThreadsLosing::pool_now()) {
+    ItemPool* pool = ItemPool::acquire();
+    if (pool == nullptr) {  // (another thread's call holds it)
+      for (int64_t i = 0; i < count; ++i) {
+        work(i);
+      }
+      return;
+    }
+    pool->run(count, takers, work);
+    pool->release();
     return;
   }
   using Clock = std::chrono::steady_clock;
@@ -207,7 +226,8 @@ inline void parallel_for_each_item(int64_t count, int64_t threads, const Work& w
   std::atomic<int64_t> next{0};
   int64_t own = 0;
   Clock::time_point own_done = start;
-  at::parallel_for(0, std::min(threads, count), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, takers, 1, [&](int64_t, int64_t) {
+    const ItemPool::Taker taker(static_cast<int>(at::get_thread_num()));
     int64_t taken = 0;
     for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < count;
         i = next.fetch_add(1, std::memory_order_relaxed)) {

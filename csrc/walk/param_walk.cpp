@@ -14,6 +14,7 @@
 #include <memory>
 
 #include "cpu/kernel_loader.h"
+#include "cpu/multi_tensor.h"
 #include "op_shared.h"
 
 namespace torchclip::walk {
@@ -32,8 +33,9 @@ constexpr bool kGilGuardsTheWalk = true;
 constexpr int64_t kBorrowBelowElements = int64_t{1} << 22;
 
 // Lists are walked by one thread per kItemsPerWalker items, up to at::get_num_threads(), each taking
-// kWalkBlock items at a time from a shared counter. The walk waits on memory, about 10 lines per
-// item, and a second core's misses overlap the first's (10,000 x 100: 400 us on one thread, 250 on two).
+// kWalkBlock items at a time from a shared counter (cpu::parallel_for_each_item, as the kernels do). The walk waits
+// on memory, about 10 lines per item, and a second core's misses overlap the first's (10,000 x 100: 400 us on one
+// thread, 250 on two).
 constexpr Py_ssize_t kItemsPerWalker = 1024;
 constexpr Py_ssize_t kWalkBlock = 512;
 // For CUDA gradients the walk is the call's only parallel work, so waking sleeping threads is all
@@ -494,14 +496,13 @@ bool GatheredTensors::walk(PyObject* object, bool take_grad, bool honor_need_cli
       return false;
     }
   } else {
-    std::atomic<Py_ssize_t> next_block{0};
     std::atomic<bool> refused{false};
     const Py_ssize_t blocks = (count + kWalkBlock - 1) / kWalkBlock;
-    at::parallel_for(0, walkers, 1, [&](int64_t walker, int64_t) {
-      for (Py_ssize_t b = next_block++; b < blocks && !refused.load(std::memory_order_relaxed); b = next_block++) {
-        if (!walk_items(elements, b * kWalkBlock, std::min(count, (b + 1) * kWalkBlock), rules, out, tallies[walker])) {
-          refused = true;
-        }
+    cpu::parallel_for_each_item(blocks, walkers, [&](int64_t b) {
+      if (!refused.load(std::memory_order_relaxed) &&
+          !walk_items(elements, b * kWalkBlock, std::min<Py_ssize_t>(count, (b + 1) * kWalkBlock), rules, out,
+              tallies[cpu::ItemPool::taker()])) {
+        refused = true;
       }
     });
     if (refused) {

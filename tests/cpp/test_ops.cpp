@@ -46,31 +46,31 @@ double reference_total_norm(const std::vector<at::Tensor>& tensors, double ord) 
 
 }  // namespace
 
-// ThreadsLosing (multi_tensor.h): a call the threads made more than twice as slow as the calling thread alone would
-// have been sends the next 2, 4, 8, 16 (at most) calls to the calling thread; one they won resets that.
+// ThreadsLosing (multi_tensor.h): a call torch's threads made more than twice as slow as the calling thread alone
+// would have been sends the next 2, 4, 8, 16 (at most) calls to the item pool; one they won resets that.
 void test_threads_losing() {
   using torchclip::cpu::ThreadsLosing;
-  const auto solo_calls = [] {
+  const auto pool_calls = [] {
     int calls = 0;
-    while (ThreadsLosing::solo_now()) {
+    while (ThreadsLosing::pool_now()) {
       ++calls;
     }
     return calls;
   };
-  expect(solo_calls() == 0, "threads: no solo calls before any was lost");
+  expect(pool_calls() == 0, "threads: no pool calls before any was lost");
   ThreadsLosing::record(1.0, 0.5, 1, 2);  // 1.0 s against the caller's 1.0 alone: not lost by 2x
-  expect(solo_calls() == 0, "threads: a call lost by less than 2x keeps the threads");
+  expect(pool_calls() == 0, "threads: a call lost by less than 2x keeps the threads");
   const int expected[] = {2, 4, 8, 16, 16};
   for (int lost : expected) {
     ThreadsLosing::record(5.0, 0.5, 1, 2);  // 5.0 s against 1.0
-    expect(solo_calls() == lost, "threads: a lost call sends the next " + std::to_string(lost) + " calls solo");
+    expect(pool_calls() == lost, "threads: a lost call sends the next " + std::to_string(lost) + " calls to the pool");
   }
   ThreadsLosing::record(0.6, 0.5, 1, 2);  // won
   ThreadsLosing::record(5.0, 0.5, 1, 2);
-  expect(solo_calls() == 2, "threads: a won call resets the backoff");
+  expect(pool_calls() == 2, "threads: a won call resets the backoff");
   ThreadsLosing::record(5.0, 0.0, 0, 2);  // the caller took nothing: no rate to compare with
   ThreadsLosing::record(0.1, 0.1, 2, 2);
-  expect(solo_calls() == 0, "threads: a call without the caller's items decides nothing");
+  expect(pool_calls() == 0, "threads: a call without the caller's items decides nothing");
 }
 
 int main(int argc, char** argv) {
