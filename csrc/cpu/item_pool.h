@@ -52,9 +52,7 @@ class ItemPool {
   // library points each CPU kernel library at its own when loading it (kernel_loader.cpp), so that the parameter
   // walk and the kernels share one set of helpers: helpers of two pools would spin on the same cores.
   using Source = ItemPool& (*)();
-  static void use(Source pool_source) {
-    source().store(pool_source, std::memory_order_release);
-  }
+  static void use(Source pool_source) { source().store(pool_source, std::memory_order_release); }
   static ItemPool& of_this_library() {
     // A child made by fork() has none of the parent's helpers, and its pool may have been mid-call; it starts a
     // pool of its own. The old ones stay listed, so that they are not leaks. Never destroyed: helpers wait on
@@ -68,9 +66,7 @@ class ItemPool {
     }
     return pools->back();
   }
-  void release() {
-    busy_.store(false, std::memory_order_release);
-  }
+  void release() { busy_.store(false, std::memory_order_release); }
 
   // Calls work(i) once for each i in [0, count) on this thread and up to takers - 1 helpers; returns, when every
   // item is done, how many this thread ran. count < 2^32 - 1.
@@ -108,14 +104,10 @@ class ItemPool {
 
   // The index of the thread running the current item: 0 for the caller (and outside a call), 1.. for helpers.
   // Per-thread partial results are kept by this (where at::parallel_for's users ask at::get_thread_num()).
-  static int taker() {
-    return taker_index();
-  }
+  static int taker() { return taker_index(); }
 
   // Whether this thread is running an item for a call (which then runs any call it makes alone).
-  static bool in_item() {
-    return in_item_flag();
-  }
+  static bool in_item() { return in_item_flag(); }
 
   // While it lives, this thread runs items as taker number `taker` (for work run on other threads than the pool's).
   struct Taker {

@@ -26,6 +26,14 @@ void expect(bool ok, const std::string& what) {
   failures += ok ? 0 : 1;
 }
 
+// Work that takes a while and cannot be optimised away.
+void busy_work(int steps) {
+  volatile int sink = 0;
+  for (int i = 0; i < steps; ++i) {
+    sink = sink + i;
+  }
+}
+
 // Runs `calls` calls of random sizes and taker counts on the pool (or alone, when another caller holds it) and
 // returns whether every item of every call ran exactly once.
 bool every_item_once(int calls, unsigned seed) {
@@ -37,8 +45,7 @@ bool every_item_once(int calls, unsigned seed) {
     std::vector<std::atomic<int>> runs(count);
     auto work = [&](int64_t item) {
       runs[item].fetch_add(1, std::memory_order_relaxed);
-      for (volatile int spin = 0; spin < static_cast<int>(item % 7) * 50; ++spin) {
-      }
+      busy_work(static_cast<int>(item % 7) * 50);
     };
     if (ItemPool* pool = ItemPool::acquire()) {
       pool->run(count, takers, work);
@@ -65,8 +72,7 @@ pthread_t a_helper() {
       if (!pthread_equal(pthread_self(), caller)) {
         helper.store(pthread_self());
       }
-      for (volatile int spin = 0; spin < 20000; ++spin) {
-      }
+      busy_work(20000);
     });
     pool->release();
   }
