@@ -201,21 +201,17 @@ class ThreadsLosing {
 // exact sums, in any order), or its thread's (ItemPool::taker()).
 template <typename Work>
 inline void parallel_for_each_item(int64_t count, int64_t threads, const Work& work) {
-  if (threads <= 1 || count <= 1 || ItemPool::in_item() || at::in_parallel_region()) {
+  const bool alone = threads <= 1 || count <= 1 || ItemPool::in_item() || at::in_parallel_region();
+  const bool on_pool = !alone && count < (int64_t{1} << 31) && ThreadsLosing::pool_now();
+  ItemPool* pool = on_pool ? ItemPool::acquire() : nullptr;  // (null while another thread's call holds it)
+  if (alone || (on_pool && pool == nullptr)) {
     for (int64_t i = 0; i < count; ++i) {
       work(i);
     }
     return;
   }
   const int takers = static_cast<int>(std::min(threads, count));
-  if (count < (int64_t{1} << 31) && ThreadsLosing::pool_now()) {
-    ItemPool* pool = ItemPool::acquire();
-    if (pool == nullptr) {  // (another thread's call holds it)
-      for (int64_t i = 0; i < count; ++i) {
-        work(i);
-      }
-      return;
-    }
+  if (pool != nullptr) {
     pool->run(count, takers, work);
     pool->release();
     return;
