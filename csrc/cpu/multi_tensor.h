@@ -157,12 +157,14 @@ class ThreadsLosing {
   }
 
   // A call on torch's threads: it took `total` seconds, the calling thread ran `own` items of `count` and was done
-  // with them `own_done` seconds in.
+  // with them `own_done` seconds in. A call whose calling thread ran no item is neither won nor lost: beside a busy
+  // neighbour that is the caller held off its core while torch's other thread ran every item, and counted as won it
+  // reset the backoff after most lost calls (a trace on 10,000 x 100 beside a spinning process).
   static void record(double total, double own_done, int64_t own, int64_t count) {
-    if (mode() != Mode::Adaptive) {
+    if (mode() != Mode::Adaptive || own == 0) {
       return;
     }
-    if (own > 0 && total * static_cast<double>(own) > kLostBy * own_done * static_cast<double>(count)) {
+    if (total * static_cast<double>(own) > kLostBy * own_done * static_cast<double>(count)) {
       const int next = std::min(2 * std::max(backoff().load(std::memory_order_relaxed), 1), kMaxPoolCalls);
       backoff().store(next, std::memory_order_relaxed);
       pool_left().store(next, std::memory_order_relaxed);

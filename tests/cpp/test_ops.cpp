@@ -68,9 +68,13 @@ void test_threads_losing() {
   ThreadsLosing::record(0.6, 0.5, 1, 2);  // won
   ThreadsLosing::record(5.0, 0.5, 1, 2);
   expect(pool_calls() == 2, "threads: a won call resets the backoff");
-  ThreadsLosing::record(5.0, 0.0, 0, 2);  // the caller took nothing: no rate to compare with
-  ThreadsLosing::record(0.1, 0.1, 2, 2);
-  expect(pool_calls() == 0, "threads: a call without the caller's items decides nothing");
+  ThreadsLosing::record(5.0, 0.5, 1, 2);
+  expect(pool_calls() == 4, "threads: a lost call after a lost one sends the next 4 calls to the pool");
+  ThreadsLosing::record(0.1, 0.0, 0, 2);  // the caller took nothing (held off its core): no rate to compare with
+  ThreadsLosing::record(5.0, 0.5, 1, 2);
+  expect(pool_calls() == 8, "threads: a call without the caller's items is no win (the backoff goes on)");
+  ThreadsLosing::record(5.0, 0.0, 0, 2);
+  expect(pool_calls() == 0, "threads: a call without the caller's items is no loss");
 }
 
 int main(int argc, char** argv) {
