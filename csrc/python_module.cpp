@@ -1,7 +1,9 @@
 // torchclip._C: the Python module that registers the ops (ops.cpp and cpu/ops_cpu.cpp are linked in:
 // torch.ops.torchclip.*) and binds what is not an op: build information, the choice of CPU kernel
 // library, and the eager fast path (walk/fast_path.h). Bindings only.
-#include <torch/extension.h>
+// pybind11 with torch's type casters, not <torch/extension.h>: that one brings the whole C++ frontend (nn, optim,
+// data) and made this file the slowest of the build (about 100 s of a core; this header, about 35 s).
+#include <torch/csrc/utils/pybind.h>
 #include <torch/version.h>
 
 #include <string>

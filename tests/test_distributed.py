@@ -2,12 +2,11 @@
 same clipped gradients on every rank as single-process clipping of the full gradient list."""
 
 import math
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import rendezvous, spawn
 from testing import CLIP_RTOL, NORM_RTOL
 
 import torchclip
@@ -20,23 +19,6 @@ if dist.is_available():
 
 SHAPES = [(64, 32), (32,), (128, 7), (5,), (1000,), (3, 3, 3)]
 REPLICATED = [(16,), (4, 4)]  # present whole on every rank (biases, norms under tensor parallelism)
-
-
-def spawn(worker, world, *args):
-    mp.spawn(_run_and_exit, args=(worker, world, *args), nprocs=world, join=True)
-
-
-def _run_and_exit(rank, worker, world, *args):
-    worker(rank, world, *args)
-    # Passed: leave without interpreter teardown, where gloo's threads sometimes abort the process
-    # ("terminate called without an active exception") after the test's work is done. A failure
-    # raises above and reaches spawn as usual.
-    os._exit(0)
-
-
-def rendezvous(tmp_path):
-    """A file-based rendezvous: no TCP port to race for between picking it and binding it."""
-    return f"file://{tmp_path / 'rendezvous'}"
 
 
 def full_gradients():
@@ -596,8 +578,12 @@ def fsdp2_backward_norm_worker(rank, world, init_method, mesh_shape):
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     for exact in (True, False):
         check_fsdp2_norm_in_backward(rank, mesh, exact)
+    measured_in_batches = backward_norm._measured_in_batches
     backward_norm._measured_in_batches = lambda grad: True
-    check_fsdp2_norm_in_backward(rank, mesh, exact=False)
+    try:
+        check_fsdp2_norm_in_backward(rank, mesh, exact=False)
+    finally:  # (the process runs the next test: tests/ranks.py)
+        backward_norm._measured_in_batches = measured_in_batches
 
 
 def check_fsdp2_norm_in_backward(rank, mesh, exact):

@@ -9,7 +9,8 @@ as its datasets, wandb and tensorboard are not needed for the clip)."""
 import pytest
 import torch
 import torch.distributed as dist
-from test_distributed import plain_parameters, rendezvous, spawn
+from ranks import rendezvous, spawn
+from test_distributed import plain_parameters
 from test_parallel_layouts import (
     as_full,
     experts_on_a_second_mesh,

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from test_distributed import plain_parameters, rendezvous, spawn
+from ranks import rendezvous, spawn
+from test_distributed import plain_parameters
 
 import torchclip
 import torchclip.optim
