@@ -1,15 +1,16 @@
 """Several-rank tests on processes that outlive one test.
 
 A fresh `torch.multiprocessing.spawn` per test costs each rank a Python start and the imports of torch,
-torch.distributed.tensor and the test module: about 6 s of CPU a process here, so 12 s a 4-rank test on 2 cores,
-where most tests' own work takes 1-3 s. `spawn` hands the work to a pool of 4 processes started once (spawned, so
-the same start as mp.spawn) and kept between tests. Each test still makes and destroys its own process group.
+torch.distributed.tensor and the test module: about 6 s of CPU a process here, 9.4 s of wall time for 4 ranks on 2
+cores, where most tests' own work takes 1-3 s. `spawn` hands the work to a pool of 4 processes started once
+(spawned, so the same start as mp.spawn) and kept between tests. Each test still makes and destroys its own process
+group.
 
-What a fresh process gave a test, a reused one gives it again before every test: the parent's environment as it
-is now, torch's thread count, torchclip's CPU capability and exact-norm default, no process group. (Not torch's
-default seed: a fresh process draws its own, so no test may count on it.) A worker that changes other state of
-its process, a module's attribute say, puts it back before it returns. A test that fails, hangs or kills a rank takes the pool down
-with it (a rank stuck in a collective cannot be freed otherwise); the next test starts a new one.
+What a fresh process gave a test, a reused one gives it again before every test: the parent's environment as it is
+now, torch's thread count, torchclip's CPU capability and exact-norm default, no process group. (Not torch's default
+seed: a fresh process draws its own, so no test may count on it.) A worker that changes other state of its process,
+a module's attribute say, puts it back before it returns. A test that fails, hangs or kills a rank takes the pool
+down with it (a rank stuck in a collective cannot be freed otherwise); the next test starts a new one.
 """
 
 from __future__ import annotations
