@@ -53,7 +53,7 @@ def spawn(worker, world, *args):
 
 
 class RanksFailed(AssertionError):
-    pass
+    """A rank raised, exited or did not finish; the message holds each failed rank's traceback."""
 
 
 def _serve(rank, inbox, outbox):
