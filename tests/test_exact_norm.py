@@ -226,14 +226,19 @@ def test_runs_stop_at_their_bounds(exact, dtype, norm_type):
 
 
 @pytest.mark.parametrize("norm_type", ORDERS)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_long_spans_walked_as_streams(exact, dtype, norm_type):
-    # 16-bit spans of four blocks or more: a short first block up to a block's edge in memory, whole blocks
-    # walked as four streams (some left over), a tail; at several offsets from the edge, at the sizes where
-    # streams begin, and with blocks of different scales meeting in the runs.
+    # Spans of four blocks or more: a short first block up to a block's edge in memory, whole blocks walked as
+    # four streams (16-bit values; some left over) or as one pipelined stream, each block bounded by the loop
+    # that sums the one before (float32), a tail; at several offsets from the edge, at the sizes where streams
+    # begin, and with blocks of different scales meeting in the runs. Among float32's, a block with one value far
+    # below the rest, whose squares are too wide for either run: it goes to the levels, no run's loop bounds the
+    # block after it, and that block's bounds are read on their own.
     scales = torch.exp2(torch.randint(-12, 4, (48,), generator=torch.Generator().manual_seed(5)).double())
     base = (make_tensor((48 * 1024,), torch.float64, seed=3) * scales.repeat_interleave(1024)).to(dtype)
     base[5000:6000] = 0
+    if dtype == torch.float32:
+        base[9 * 1024 + 17] = 2.0**-40
     spans = [
         base[offset : offset + n]
         for offset, n in [

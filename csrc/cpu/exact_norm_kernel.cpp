@@ -166,48 +166,106 @@ double from_bits(StorageBits<T> bits) {
 // that stream's next block into L2 as they go. More streams keep more reads in flight: 64M normal bfloat16
 // values, one AVX-512 core (a harness around this file, exact / today's norm in one process, the median of five
 // alternated runs), 1.35 walked as four streams, 1.58 as one; 8 MB of them (in L3) 0.152 against 0.166 ns an
-// element. float32 values, whose quanta run takes longer per byte, gained nothing from memory (1.23 against
-// 1.24) and lost 4% in L3 (0.205 against 0.197 ns), so they, and spans too short for four streams, are one
-// stream: the bounds ask kPrefetchBytes ahead into L2, the quanta run kL1PrefetchBytes ahead into L1 (0.59 ns
-// an element without either, 0.38 with the first, 0.33 with both; the plain run's loop gained nothing from the
-// second).
+// element.
+//
+// A long span of float32 values, whose quanta run takes longer per byte than its reads, is one stream walked
+// pipelined: the loop that sums a block also bounds the next one (BoundsAhead), asking kPrefetchBytes ahead
+// into L2, so the reads from memory go on at an even pace while the sums run instead of stopping for them and
+// then going in a burst. 64M normal float32 values, exact / today's norm (the harness, Xeon at 2.5 GHz, two
+// threads each on half, the medians of seven alternated runs in two runs): 1.80 and 1.50 bounded then summed,
+// 1.34 and 1.36 pipelined; one thread 1.85 and 1.40; 16 MB (in L3) 1.71 and 1.33; AVX2 2.46-3.19 and
+// 1.93-1.98. bfloat16 gained nothing from it (two streams pipelined 1.55 against four side by side 1.52; four
+// pipelined 1.94; one 1.76-1.99): its sums, not its reads, take the time.
+//
+// Blocks on their own (a span's first and last, short spans, gathered ones) are bounded and then summed, the
+// bounds asking kPrefetchBytes ahead into L2, the quanta run kL1PrefetchBytes ahead into L1 (float32 from memory,
+// one stream bounded then summed: 0.59 ns an element without either, 0.38 with the first, 0.33 with both).
 template <typename T>
 constexpr int kStreams = sizeof(T) == 2 ? 4 : 1;
 constexpr int64_t kStreamPrefetchBytes = 512;
 constexpr int64_t kPrefetchBytes = 16384;
 constexpr int64_t kL1PrefetchBytes = 8192;
 
+// What a run's loop does beside its sums, by where its block lies (`ahead`). A block read in place asks for what
+// follows it in memory (kRunPrefetches); one copied into a buffer (gathered, padded) does not, as what follows the
+// buffer is not data: 10,000 x 100 float32's exact norm, all of it gathered, took 0.902 (0.895-0.969) of the time
+// without those asks (`bench/compare_builds.py`, 20 pairs, AVX-512; bfloat16's blocks, which take the plain run
+// that never asked, 1.021 (0.927-1.111)). A block of a pipelined walk bounds the next block (BoundsAhead).
+struct InPlace {
+  static constexpr bool kRunPrefetches = true;
+  template <int64_t kElements>
+  void take(int64_t) {}
+};
+
+struct InBuffer {
+  static constexpr bool kRunPrefetches = false;
+  template <int64_t kElements>
+  void take(int64_t) {}
+};
+
 // A run's prefetch for the kElements it sums at x (kCount: the streams walked side by side), a cache line at a
 // time. The plain run asks only when walking streams.
-template <int kCount, int64_t kElements, bool kPlain, typename T>
+template <int kCount, int64_t kElements, bool kPlain, typename Ahead, typename T>
 void prefetch_ahead_of_run(const T* x) {
   constexpr int64_t kLine = 64;
   for (int64_t byte = 0; byte < kElements * static_cast<int64_t>(sizeof(T)); byte += kLine) {
     const char* at = reinterpret_cast<const char*>(x) + byte;
     if constexpr (kCount > 1) {
       __builtin_prefetch(at + kExactBlock * sizeof(T), 0, 1);
-    } else if constexpr (!kPlain) {
+    } else if constexpr (!kPlain && Ahead::kRunPrefetches) {
       __builtin_prefetch(at + kL1PrefetchBytes, 0, 3);
     }
   }
 }
 
-// magnitude_bounds of kCount blocks of n elements each, side by side, on the bit patterns in full-width
-// vectors of the storage type (32 16-bit lanes with AVX-512: no conversion to float32, half the work of the
-// float32 lanes per element); bits - 1 sends a zero to the top, out of the minimum's way.
-template <int kCount, typename T>
-void magnitude_bounds(const T* const* blocks, int64_t n, MagnitudeBounds* bounds) {
+// The running bounds of magnitudes, on their bit patterns in full-width vectors of the storage type (32 16-bit
+// lanes with AVX-512: no conversion to float32, half the work of the float32 lanes per element); bits - 1
+// sends a zero to the top, out of the minimum's way.
+template <typename T>
+class BitsBounds {
+ public:
   using Bits = StorageBits<T>;
   typedef Bits BitsV __attribute__((vector_size(kVectorBytes)));
-  constexpr int64_t kLanes = kVectorBytes / sizeof(Bits);
-  constexpr Bits kAllOnes = std::numeric_limits<Bits>::max(), kSignless = kAllOnes >> 1;
-  BitsV max_bits[kCount], min_less_one[kCount];
-  for (int s = 0; s < kCount; ++s) {
-    max_bits[s] = BitsV{};
-    min_less_one[s] = splat<BitsV>(kAllOnes);
+  static constexpr int64_t kLanes = kVectorBytes / sizeof(Bits);
+
+  // The kLanes values at `at`.
+  void take(const char* at) {
+    BitsV bits;
+    std::memcpy(&bits, at, sizeof(bits));
+    bits &= kSignless;
+    max_bits_ = max_bits_ > bits ? max_bits_ : bits;
+    const BitsV less_one = bits - splat<BitsV>(1);
+    min_less_one_ = min_less_one_ < less_one ? min_less_one_ : less_one;
   }
+
+  // The bounds of what was taken and of the `count` values at `rest` (fewer than a vector's).
+  MagnitudeBounds result(const T* rest = nullptr, int64_t count = 0) const {
+    Bits largest = fold_lanes(max_bits_, [](BitsV a, BitsV b) { return a > b ? a : b; });
+    Bits smallest_less_one = fold_lanes(min_less_one_, [](BitsV a, BitsV b) { return a < b ? a : b; });
+    for (int64_t k = 0; k < count; ++k) {
+      Bits bits;
+      std::memcpy(&bits, rest + k, sizeof(bits));
+      bits &= kSignless;
+      largest = std::max(largest, bits);
+      smallest_less_one = std::min(smallest_less_one, static_cast<Bits>(bits - 1));
+    }
+    const Bits smallest = static_cast<Bits>(smallest_less_one + 1);  // 0 when every value is 0
+    return {from_bits<T>(largest), smallest == 0 ? std::numeric_limits<double>::infinity() : from_bits<T>(smallest)};
+  }
+
+ private:
+  static constexpr Bits kAllOnes = std::numeric_limits<Bits>::max(), kSignless = kAllOnes >> 1;
+
+  BitsV max_bits_ = BitsV{}, min_less_one_ = splat<BitsV>(kAllOnes);
+};
+
+// MagnitudeBounds of kCount blocks of n elements each, side by side (streams' blocks are whole vectors of the
+// storage type).
+template <int kCount, typename T>
+void magnitude_bounds(const T* const* blocks, int64_t n, MagnitudeBounds* bounds) {
+  BitsBounds<T> running[kCount];
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
+  for (; i + BitsBounds<T>::kLanes <= n; i += BitsBounds<T>::kLanes) {
     for (int s = 0; s < kCount; ++s) {
       const char* at = reinterpret_cast<const char*>(blocks[s] + i);
       if constexpr (kCount == 1) {
@@ -215,31 +273,51 @@ void magnitude_bounds(const T* const* blocks, int64_t n, MagnitudeBounds* bounds
       } else {
         __builtin_prefetch(at + kStreamPrefetchBytes, 0, 3);
       }
-      BitsV bits;
-      std::memcpy(&bits, at, sizeof(bits));
-      bits &= kSignless;
-      max_bits[s] = max_bits[s] > bits ? max_bits[s] : bits;
-      const BitsV less_one = bits - splat<BitsV>(1);
-      min_less_one[s] = min_less_one[s] < less_one ? min_less_one[s] : less_one;
+      running[s].take(at);
     }
   }
+  static_assert(kCount == 1 || kExactBlock % BitsBounds<T>::kLanes == 0, "streams' blocks are whole vectors");
   for (int s = 0; s < kCount; ++s) {
-    Bits largest = fold_lanes(max_bits[s], [](BitsV a, BitsV b) { return a > b ? a : b; });
-    Bits smallest_less_one = fold_lanes(min_less_one[s], [](BitsV a, BitsV b) { return a < b ? a : b; });
-    if constexpr (kCount == 1) {  // (streams' blocks are whole vectors of the storage type)
-      for (int64_t k = i; k < n; ++k) {
-        Bits bits;
-        std::memcpy(&bits, blocks[s] + k, sizeof(bits));
-        bits &= kSignless;
-        largest = std::max(largest, bits);
-        smallest_less_one = std::min(smallest_less_one, static_cast<Bits>(bits - 1));
-      }
-    }
-    const Bits smallest = static_cast<Bits>(smallest_less_one + 1);  // 0 when every value is 0
-    bounds[s] = {from_bits<T>(largest),
-        smallest == 0 ? std::numeric_limits<double>::infinity() : from_bits<T>(smallest)};
+    bounds[s] = running[s].result(blocks[s] + i, n - i);
   }
 }
+
+// The bounds of a whole block (kExactBlock elements) taken by the loop that sums the block before it: as that
+// loop sums the elements [i, i + kElements) of its block, it takes the same elements of this one. Where no run's
+// loop took them (the block before went term by term, or to the levels), result() reads them itself.
+template <typename T>
+class BoundsAhead {
+ public:
+  static constexpr bool kRunPrefetches = false;  // (its own reads ask ahead)
+
+  explicit BoundsAhead(const T* block) : block_(block) {}
+
+  template <int64_t kElements>
+  void take(int64_t i) {
+    constexpr int64_t kBytes = kElements * static_cast<int64_t>(sizeof(T));
+    static_assert(kBytes % kVectorBytes == 0, "a run's loop steps by whole vectors of the storage type");
+    const char* at = reinterpret_cast<const char*>(block_ + i);
+    for (int64_t byte = 0; byte < kBytes; byte += kVectorBytes) {
+      __builtin_prefetch(at + byte + kPrefetchBytes, 0, 1);
+      bounds_.take(at + byte);
+    }
+    taken_ = true;  // (a loop takes all of it: the blocks are the same length; one that takes it again changes nothing)
+  }
+
+  MagnitudeBounds result() const {
+    if (taken_) {
+      return bounds_.result();
+    }
+    MagnitudeBounds bounds;
+    magnitude_bounds<1>(&block_, kExactBlock, &bounds);
+    return bounds;
+  }
+
+ private:
+  const T* block_;
+  BitsBounds<T> bounds_;
+  bool taken_ = false;
+};
 
 // frexp's exponent of a positive, normal double (every 16/32-bit value and square is one), from its bits:
 // v < 2^binade_end(v) <= 2v.
@@ -324,9 +402,9 @@ class PlainRun {
 
   bool empty() const { return terms_ == 0; }
 
-  // Adds the block and returns true, or leaves the run as it was and returns false.
-  template <int kCount, typename T>
-  bool add(const T* x, int64_t vectors, const TermRange& range) {
+  // Adds the block and returns true, or leaves the run as it was and returns false (`ahead`: InPlace's comment).
+  template <int kCount, typename T, typename Ahead>
+  bool add(const T* x, int64_t vectors, const TermRange& range, Ahead& ahead) {
     const int top = empty() ? range.top : std::max(top_, range.top);
     const int lowest_bit = empty() ? range.lowest_bit : std::min(lowest_bit_, range.lowest_bit);
     const int64_t terms = terms_ + vectors;
@@ -338,18 +416,21 @@ class PlainRun {
     int64_t i = 0;
     if constexpr (kWidensStraight<T>) {
       for (; i + 4 * kBlock64 <= vectors; i += 4 * kBlock64) {
-        prefetch_ahead_of_run<kCount, 4 * kBlock64, true>(x + i);
+        prefetch_ahead_of_run<kCount, 4 * kBlock64, true, Ahead>(x + i);
+        ahead.template take<4 * kBlock64>(i);
         for (int k = 0; k < 4; ++k) {
           add_term(widened_straight(x + i + k * kBlock64), sums[k]);
         }
       }
       if (i < vectors) {  // (vectors is whole float32 vectors: two float64 ones)
+        ahead.template take<2 * kBlock64>(i);
         add_term(widened_straight(x + i), sums[0]);
         add_term(widened_straight(x + i + kBlock64), sums[1]);
       }
     } else {
       for (; i + 2 * kBlock <= vectors; i += 2 * kBlock) {
-        prefetch_ahead_of_run<kCount, 2 * kBlock, true>(x + i);
+        prefetch_ahead_of_run<kCount, 2 * kBlock, true, Ahead>(x + i);
+        ahead.template take<2 * kBlock>(i);
         f32v first, second;
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
           load_f32_interleaved(x + i, first, second);  // (AVX-512: 0.171 -> 0.147 ns an element in cache)
@@ -361,6 +442,7 @@ class PlainRun {
         add_vector(second, sums[2], sums[3]);
       }
       if (i < vectors) {
+        ahead.template take<kBlock>(i);
         add_vector(load_f32(x + i), sums[0], sums[1]);
       }
     }
@@ -433,14 +515,15 @@ class QuantaRun {
     return false;
   }
 
-  template <int kCount, typename T>
-  void add(const T* x, int64_t vectors, const TermRange& range) {
+  template <int kCount, typename T, typename Ahead>
+  void add(const T* x, int64_t vectors, const TermRange& range, Ahead& ahead) {
     lowest_bit_ = std::min(lowest_bit_, range.lowest_bit);
     terms_ += vectors;
     // (in locals: as members, behind `this`, the compiler must assume the data's loads may alias them)
     f64v sum_low = sums_[0], sum_high = sums_[1], rest_low = rests_[0], rest_high = rests_[1];
     for (int64_t i = 0; i < vectors; i += kBlock) {
-      prefetch_ahead_of_run<kCount, kBlock, false>(x + i);
+      prefetch_ahead_of_run<kCount, kBlock, false, Ahead>(x + i);
+      ahead.template take<kBlock>(i);
       f64v low, high;
       halves_at<kKind>(x + i, low, high);
       if constexpr (kKind == NormKind::Two) {
@@ -532,11 +615,14 @@ class TermSums {
         add_short(x, to_boundary);
         begin = to_boundary;
       }
-      // The whole blocks after it as kStreams<T> streams (float32's one visits them in order), the rest block by
-      // block.
+      // The whole blocks after it as kStreams<T> streams (float32's one pipelined), the rest block by block.
       const int64_t per_stream = (n - begin) / kExactBlock / kStreams<T>;
       if (per_stream != 0) {
-        add_streams(x + begin, per_stream);
+        if constexpr (kStreams<T> == 1) {
+          add_pipelined(x + begin, per_stream);
+        } else {
+          add_streams(x + begin, per_stream);
+        }
         begin += kStreams<T> * per_stream * kExactBlock;
       }
       for (int64_t count = 0; begin < n; begin += count) {
@@ -580,6 +666,19 @@ class TermSums {
     }
   }
 
+  // `blocks` whole blocks from x, each summed by a loop that bounds the next (kStreams' comment).
+  template <typename T>
+  void add_pipelined(const T* x, int64_t blocks) {
+    MagnitudeBounds bounds;
+    magnitude_bounds<1>(&x, kExactBlock, &bounds);
+    for (int64_t j = 0; j + 1 < blocks; ++j) {
+      BoundsAhead<T> ahead(x + (j + 1) * kExactBlock);
+      add_bounded<1>(x + j * kExactBlock, kExactBlock, bounds, ahead);
+      bounds = ahead.result();
+    }
+    add_bounded<1>(x + (blocks - 1) * kExactBlock, kExactBlock, bounds);
+  }
+
   // A block of at most kExactBlock values on its own: gathered, padded, or as it is.
   template <typename T>
   void add_short(const T* x, int64_t count) {
@@ -596,13 +695,13 @@ class TermSums {
   void add_padded(const T* x, int64_t count) {
     const int64_t vectors = whole_vectors(count);
     if (vectors == count) {
-      add_block(x, count);
+      add_block<InPlace>(x, count);
       return;
     }
     alignas(64) T padded[kExactBlock];
     std::copy(x, x + count, padded);
     std::fill(padded + count, padded + vectors, T(0.0f));
-    add_block(padded, vectors);
+    add_block<InBuffer>(padded, vectors);
   }
 
   // Values copied into the gathered block, which is added when full, when values of another type come, and
@@ -637,19 +736,21 @@ class TermSums {
     const int64_t vectors = whole_vectors(gathered_);
     std::fill(block + gathered_, block + vectors, T(0.0f));
     gathered_ = 0;
-    add_block(block, vectors);
+    add_block<InBuffer>(block, vectors);
   }
 
-  template <typename T>
+  // A block bounded, then summed (`Where`: InPlace or InBuffer).
+  template <typename Where, typename T>
   void add_block(const T* block, int64_t vectors) {
     MagnitudeBounds bounds;
     magnitude_bounds<1>(&block, vectors, &bounds);
-    add_bounded<1>(block, vectors, bounds);
+    add_bounded<1>(block, vectors, bounds, Where());
   }
 
-  // A block whose bounds are known into the runs (kCount: the streams its caller walks side by side).
-  template <int kCount, typename T>
-  void add_bounded(const T* block, int64_t vectors, const MagnitudeBounds& bounds) {
+  // A block whose bounds are known into the runs (kCount: the streams its caller walks side by side; `ahead`:
+  // InPlace's comment).
+  template <int kCount, typename T, typename Ahead = InPlace>
+  void add_bounded(const T* block, int64_t vectors, const MagnitudeBounds& bounds, Ahead&& ahead = Ahead()) {
     if (!(bounds.largest <= std::numeric_limits<float>::max())) {
       add_terms<kKind>(block, vectors, partial_);  // an inf or NaN
       return;
@@ -658,21 +759,21 @@ class TermSums {
       return;
     }
     const TermRange range = term_range<kKind, T>(bounds);
-    if (plain_.template add<kCount>(block, vectors, range)) {
+    if (plain_.template add<kCount>(block, vectors, range, ahead)) {
       return;
     }
     if (!plain_.empty()) {  // a fresh plain run, with this block alone
       plain_.flush(partial_);
-      if (plain_.template add<kCount>(block, vectors, range)) {
+      if (plain_.template add<kCount>(block, vectors, range, ahead)) {
         return;
       }
     }
     if (quanta_.takes(range, vectors)) {
-      quanta_.template add<kCount>(block, vectors, range);
+      quanta_.template add<kCount>(block, vectors, range, ahead);
     } else {
       quanta_.flush(partial_);
       if (quanta_.starts(range)) {
-        quanta_.template add<kCount>(block, vectors, range);
+        quanta_.template add<kCount>(block, vectors, range, ahead);
       } else {
         add_wide_block<kKind>(block, vectors, range, partial_);
       }
