@@ -191,17 +191,14 @@ constexpr int64_t kL1PrefetchBytes = 8192;
 // buffer is not data: 10,000 x 100 float32's exact norm, all of it gathered, took 0.902 (0.895-0.969) of the time
 // without those asks (`bench/compare_builds.py`, 20 pairs, AVX-512; bfloat16's blocks, which take the plain run
 // that never asked, 1.021 (0.927-1.111)). A block of a pipelined walk bounds the next block (BoundsAhead).
-struct InPlace {
-  static constexpr bool kRunPrefetches = true;
+template <bool kPrefetches>
+struct BlockLies {
+  static constexpr bool kRunPrefetches = kPrefetches;
   template <int64_t kElements>
   void take(int64_t) {}
 };
-
-struct InBuffer {
-  static constexpr bool kRunPrefetches = false;
-  template <int64_t kElements>
-  void take(int64_t) {}
-};
+using InPlace = BlockLies<true>;
+using InBuffer = BlockLies<false>;
 
 // A run's prefetch for the kElements it sums at x (kCount: the streams walked side by side), a cache line at a
 // time. The plain run asks only when walking streams.
