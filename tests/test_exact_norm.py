@@ -299,6 +299,33 @@ def test_small_spans_gathered_into_whole_blocks(exact, norm_type):
         assert _ops.exact_sums(spoiled, norm_type, False)[0, :2].tolist() == flags, bad
 
 
+def extremes_at_the_end(dtype, seed):
+    """Tensors of 1 to 66 values (every tail a vector leaves, 16-bit lanes on AVX-512 included), 100 and 1,000,
+    of values near 1 whose last one or two are the largest and the smallest magnitudes: a block copied into a
+    buffer (gathered, or padded where each tensor's norm is wanted) takes its bounds with the copy, and a tail
+    shorter than a vector is taken as the vector that ends with the tensor."""
+    info = torch.finfo(dtype)
+    generator = torch.Generator().manual_seed(seed)
+    large, small = info.max / 8, info.smallest_normal * (1 + info.eps)  # (small: its last bit the lowest)
+    tensors = []
+    for n in [*range(1, 67), 100, 1000]:
+        for last in ([large], [small], [small, large], [large, small]):
+            values = 1 + torch.rand(n, generator=generator, dtype=torch.float64)
+            values[-len(last) :] = torch.tensor(last[-n:], dtype=torch.float64)
+            tensors.append(values.to(dtype))
+    return tensors
+
+
+@pytest.mark.parametrize("norm_type", ORDERS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_copied_blocks_are_bounded_by_every_value(exact, dtype, norm_type):
+    tensors = extremes_at_the_end(dtype, seed=3)
+    assert kernel_sums(tensors, norm_type) == [
+        *(exact_sum([t], norm_type) for t in tensors),
+        exact_sum(tensors, norm_type),
+    ]
+
+
 @pytest.mark.parametrize("norm_type", ORDERS)
 def test_the_same_bits_for_any_threads_order_and_views(exact, norm_type):
     whole = make_tensor((300_001,), torch.float32, seed=3)

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "kernels.h"
@@ -229,10 +230,40 @@ class BitsBounds {
   void take(const char* at) {
     BitsV bits;
     std::memcpy(&bits, at, sizeof(bits));
-    bits &= kSignless;
-    max_bits_ = max_bits_ > bits ? max_bits_ : bits;
-    const BitsV less_one = bits - splat<BitsV>(1);
-    min_less_one_ = min_less_one_ < less_one ? min_less_one_ : less_one;
+    take(bits);
+  }
+
+  // The n values at x copied to `to`, taken on the way: a gathered or padded block's bounds with its copy, not
+  // in a second pass over it (10,000 x 100 float32's exact total, AVX2: 9.59M -> 8.99M instructions a call). A tail
+  // shorter than a vector is the vector that ends at x + n, which copies and takes some values twice (the same values,
+  // the same bounds); with fewer than a vector's values, the vector is stored whole, its lanes past n zeros (which
+  // neither bound sees), so `to` needs a vector's room past n.
+  // (`running`, a local: the stores through `to` may alias *this, which would keep the bounds in memory.)
+  void copy_taking(const T* x, int64_t n, T* to) {
+    BitsBounds running = *this;
+    const auto copy_vector = [&](int64_t i) {
+      BitsV bits;
+      std::memcpy(&bits, x + i, sizeof(bits));
+      std::memcpy(to + i, &bits, sizeof(bits));
+      running.take(bits);
+    };
+    if (n < kLanes) {
+      alignas(kVectorBytes) T lanes[kLanes];
+      load_padded<kLanes>(lanes, x, n, T(0.0f));
+      BitsV bits;
+      std::memcpy(&bits, lanes, sizeof(bits));
+      std::memcpy(to, &bits, sizeof(bits));
+      running.take(bits);
+    } else {
+      int64_t i = 0;
+      for (; i + kLanes <= n; i += kLanes) {
+        copy_vector(i);
+      }
+      if (i < n) {
+        copy_vector(n - kLanes);
+      }
+    }
+    *this = running;
   }
 
   // The bounds of what was taken and of the `count` values at `rest` (fewer than a vector's).
@@ -252,6 +283,13 @@ class BitsBounds {
 
  private:
   static constexpr Bits kAllOnes = std::numeric_limits<Bits>::max(), kSignless = kAllOnes >> 1;
+
+  void take(BitsV bits) {
+    bits &= kSignless;
+    max_bits_ = max_bits_ > bits ? max_bits_ : bits;
+    const BitsV less_one = bits - splat<BitsV>(1);
+    min_less_one_ = min_less_one_ < less_one ? min_less_one_ : less_one;
+  }
 
   BitsV max_bits_ = BitsV{}, min_less_one_ = splat<BitsV>(kAllOnes);
 };
@@ -692,21 +730,24 @@ class TermSums {
   void add_padded(const T* x, int64_t count) {
     const int64_t vectors = whole_vectors(count);
     if (vectors == count) {
-      add_block<InPlace>(x, count);
+      MagnitudeBounds bounds;
+      magnitude_bounds<1>(&x, count, &bounds);
+      add_bounded<1>(x, count, bounds);
       return;
     }
-    alignas(64) T padded[kExactBlock];
-    std::copy(x, x + count, padded);
+    alignas(64) T padded[kExactBlock + BitsBounds<T>::kLanes];  // (copy_taking's room past the values)
+    BitsBounds<T> bounds;
+    bounds.copy_taking(x, count, padded);
     std::fill(padded + count, padded + vectors, T(0.0f));
-    add_block<InBuffer>(padded, vectors);
+    add_bounded<1>(padded, vectors, bounds.result(), InBuffer());
   }
 
-  // Values copied into the gathered block, which is added when full, when values of another type come, and
-  // at finish. 10,000 tensors of 100 float32 values, each its own padded block (its bounds folded, its runs
-  // chosen, its copy), took 11.0M instructions a call, gathered 9.9M (today's norm 7.0M; bfloat16 10.4M and
-  // 8.8M against 8.1M; callgrind, AVX2). Only blocks a copy would pad anyway, or too short to pay for a
-  // block's work: copying whole-vector ones too, as 2,000 x 64x64's short first and last blocks are, took
-  // that row's exact norm from 1.64 to 1.98x today's.
+  // Values copied into the gathered block, their bounds taken with the copy, the block added when full, when
+  // values of another type come, and at finish. 10,000 tensors of 100 float32 values, each its own padded block (its
+  // bounds folded, its runs chosen, its copy), took 11.0M instructions a call, gathered 9.9M (today's norm 7.0M;
+  // bfloat16 10.4M and 8.8M against 8.1M; callgrind, AVX2). Only blocks a copy would pad anyway, or too short to pay
+  // for a block's work: copying whole-vector ones too, as 2,000 x 64x64's short first and last blocks are, took that
+  // row's exact norm from 1.64 to 1.98x today's.
   template <typename T>
   void gather(const T* x, int64_t n) {
     const AddGathered add_these = &TermSums::add_gathered<T>;
@@ -717,7 +758,7 @@ class TermSums {
     T* block = reinterpret_cast<T*>(gathered_bytes_);
     while (n > 0) {
       const int64_t taken = std::min(n, kExactBlock - gathered_);
-      std::memcpy(block + gathered_, x, static_cast<size_t>(taken) * sizeof(T));
+      std::get<BitsBounds<T>>(gathered_bounds_).copy_taking(x, taken, block + gathered_);
       gathered_ += taken;
       x += taken;
       n -= taken;
@@ -733,15 +774,10 @@ class TermSums {
     const int64_t vectors = whole_vectors(gathered_);
     std::fill(block + gathered_, block + vectors, T(0.0f));
     gathered_ = 0;
-    add_block<InBuffer>(block, vectors);
-  }
-
-  // A block bounded, then summed (`Where`: InPlace or InBuffer).
-  template <typename Where, typename T>
-  void add_block(const T* block, int64_t vectors) {
-    MagnitudeBounds bounds;
-    magnitude_bounds<1>(&block, vectors, &bounds);
-    add_bounded<1>(block, vectors, bounds, Where());
+    BitsBounds<T>& running = std::get<BitsBounds<T>>(gathered_bounds_);
+    const MagnitudeBounds bounds = running.result();
+    running = BitsBounds<T>();
+    add_bounded<1>(block, vectors, bounds, InBuffer());
   }
 
   // A block whose bounds are known into the runs (kCount: the streams its caller walks side by side; `ahead`:
@@ -785,7 +821,9 @@ class TermSums {
   bool gathers_;
   int64_t gathered_ = 0;
   AddGathered add_gathered_ = nullptr;
-  alignas(64) unsigned char gathered_bytes_[kExactBlock * sizeof(float)];  // (no double: added term by term)
+  // (no double: added term by term; a vector's room past the values for copy_taking)
+  alignas(64) unsigned char gathered_bytes_[kExactBlock * sizeof(float) + kVectorBytes];
+  std::tuple<BitsBounds<float>, BitsBounds<c10::BFloat16>, BitsBounds<c10::Half>> gathered_bounds_;
 };
 
 template <NormKind kKind>

@@ -82,25 +82,39 @@ struct WideNorms {
 
 // A list as the exact kernel's input: the kernels' spans, then ATen's tensors as dense exact terms
 // (exact_terms: a complex tensor's real view, or its magnitudes for p = 1). check_norm_inputs has refused
-// what no kernel dtype holds.
-struct ExactInput {
-  std::vector<cpu::TensorSpan> spans;
-  std::vector<int64_t> sources;  // spans[k] is tensors[sources[k]]
-  std::vector<at::Tensor> dense;  // (kept alive while the kernels read them)
-};
-
-ExactInput exact_input(at::TensorList tensors, const Split& split, NormKind kind) {
-  ExactInput input{{split.spans.begin(), split.spans.end()}, {split.span_source.begin(), split.span_source.end()}, {}};
-  for (int64_t i : split.aten_path) {
-    const auto terms = exact_terms(tensors[i], kind);
-    TORCH_INTERNAL_ASSERT(terms, "torchclip: exact norms of a ", tensors[i].scalar_type(), " tensor");
-    const auto& [real, dtype] = *terms;
-    input.dense.push_back(real);
-    input.spans.push_back({real.data_ptr(), real.numel(), dtype});
-    input.sources.push_back(i);
+// what no kernel dtype holds. The split's spans are read where they lie unless ATen serves a tensor: copying
+// them took 0.32M of an exact total norm's 9.0M instructions on 10,000 x 100 (callgrind, AVX2).
+class ExactInput {
+ public:
+  ExactInput(at::TensorList tensors, const Split& split, NormKind kind) : split_(split) {
+    if (split.aten_path.empty()) {
+      return;
+    }
+    spans_.assign(split.spans.begin(), split.spans.end());
+    sources_.assign(split.span_source.begin(), split.span_source.end());
+    for (int64_t i : split.aten_path) {
+      const auto terms = exact_terms(tensors[i], kind);
+      TORCH_INTERNAL_ASSERT(terms, "torchclip: exact norms of a ", tensors[i].scalar_type(), " tensor");
+      const auto& [real, dtype] = *terms;
+      dense_.push_back(real);
+      spans_.push_back({real.data_ptr(), real.numel(), dtype});
+      sources_.push_back(i);
+    }
   }
-  return input;
-}
+
+  const cpu::TensorSpan* spans() const { return copied() ? spans_.data() : split_.spans.data(); }
+  int64_t count() const { return static_cast<int64_t>(copied() ? spans_.size() : split_.spans.size()); }
+  // spans()[k] is tensors[source(k)].
+  int64_t source(int64_t k) const { return copied() ? sources_[k] : split_.span_source[k]; }
+
+ private:
+  bool copied() const { return !split_.aten_path.empty(); }
+
+  const Split& split_;
+  std::vector<cpu::TensorSpan> spans_;
+  std::vector<int64_t> sources_;
+  std::vector<at::Tensor> dense_;  // (kept alive while the kernels read them)
+};
 
 NormKind exact_kind(double ord) {
   return ord == 1.0 ? NormKind::One : NormKind::Two;
@@ -112,18 +126,18 @@ double exact_norm_of(const ExactSum& sum, int32_t flags, NormKind kind) {
 }
 
 // Exact norms (p = 1, 2): the kernels' exact sums over every tensor. Without per_tensor, only the total is
-// wanted: the per-tensor norms of the kernels' tensors are left 0.
+// wanted: `norms` is left empty.
 WideNorms exact_norms_wide(at::TensorList tensors, const Split& split, double ord, bool per_tensor) {
   const NormKind kind = exact_kind(ord);
-  const ExactInput input = exact_input(tensors, split, kind);
-  WideNorms out{std::vector<double>(tensors.size()), std::nullopt};
-  std::vector<double> span_norms(input.spans.size());
+  const ExactInput input(tensors, split, kind);
+  WideNorms out{std::vector<double>(per_tensor ? tensors.size() : 0), std::nullopt};
+  std::vector<double> span_norms(per_tensor ? input.count() : 0);
   ExactSum total;
   int32_t flags = 0;
-  cpu_kernels().exact_norms(input.spans.data(), static_cast<int64_t>(input.spans.size()), kind,
-      per_tensor ? span_norms.data() : nullptr, &total, &flags);
-  for (size_t k = 0; k < input.spans.size(); ++k) {
-    out.norms[input.sources[k]] = span_norms[k];
+  cpu_kernels().exact_norms(input.spans(), input.count(), kind, per_tensor ? span_norms.data() : nullptr, &total,
+      &flags);
+  for (size_t k = 0; k < span_norms.size(); ++k) {
+    out.norms[input.source(static_cast<int64_t>(k))] = span_norms[k];
   }
   out.exact_total = exact_norm_of(total, flags, kind);
   return out;
@@ -254,7 +268,7 @@ at::Tensor exact_sums_cpu(at::TensorList tensors, double ord, bool per_tensor) {
   const Split split = split_tensors(tensors, op);
   check_norm_inputs(tensors, split.aten_path, ord, op);
   const NormKind kind = exact_kind(ord);
-  const ExactInput input = exact_input(tensors, split, kind);
+  const ExactInput input(tensors, split, kind);
   const int64_t rows = per_tensor ? static_cast<int64_t>(tensors.size()) : 1;
   at::Tensor out = at::zeros({rows, kExactSumColumns}, at::kLong);
   int64_t* const data = out.data_ptr<int64_t>();
@@ -267,16 +281,15 @@ at::Tensor exact_sums_cpu(at::TensorList tensors, double ord, bool per_tensor) {
   if (!per_tensor) {
     ExactSum total;
     int32_t flags = 0;
-    cpu_kernels().exact_norms(input.spans.data(), static_cast<int64_t>(input.spans.size()), kind, nullptr, &total,
-        &flags);
+    cpu_kernels().exact_norms(input.spans(), input.count(), kind, nullptr, &total, &flags);
     write_row(0, total, flags);
     return out;
   }
-  for (size_t k = 0; k < input.spans.size(); ++k) {  // one call per tensor: each row its own sum
+  for (int64_t k = 0; k < input.count(); ++k) {  // one call per tensor: each row its own sum
     ExactSum sum;
     int32_t flags = 0;
-    cpu_kernels().exact_norms(&input.spans[k], 1, kind, nullptr, &sum, &flags);
-    write_row(input.sources[k], sum, flags);
+    cpu_kernels().exact_norms(input.spans() + k, 1, kind, nullptr, &sum, &flags);
+    write_row(input.source(k), sum, flags);
   }
   return out;
 }

@@ -301,6 +301,9 @@ inline void load_padded(T* block, const T* src, int64_t count, T fill) {
     _mm256_store_si256(reinterpret_cast<__m256i*>(block),
         _mm256_mask_loadu_epi16(_mm256_set1_epi16(lane_bits(fill)), mask, src));
     return;
+  } else if constexpr (kBytes == 64 && sizeof(T) == 2) {
+    _mm512_store_si512(block, _mm512_mask_loadu_epi16(_mm512_set1_epi16(lane_bits(fill)), mask, src));
+    return;
   }
 #elif defined(__AVX2__)
   if constexpr (kBytes == 32 && sizeof(T) == 4) {
