@@ -639,9 +639,12 @@ class TermSums {
       // A long span's blocks end where the address is a multiple of a block's bytes (4 KiB for float32: a
       // page), its first one short: blocks across two pages, as the data of a torch tensor starting past a
       // page's start makes every one, read from memory at 0.37 against 0.31 ns an element (float32, one
-      // core). (A short span would only pay for a second block.)
+      // core). A span of fewer than 8 blocks pays more for the extra block than the pages save: with spans of 4
+      // to 7 blocks no longer split, 2,000 x 64x64 float32's exact norm took 0.945 (0.862-0.958) of the time,
+      // ResNet-50's 0.997 (0.949-1.069) and bfloat16's 0.927 (0.855-0.995) (`bench/compare_builds.py`, 12
+      // pairs, AVX-512).
       constexpr auto kBlockBytes = static_cast<uintptr_t>(kExactBlock * sizeof(T));
-      const auto to_boundary = n < 4 * kExactBlock
+      const auto to_boundary = n < 8 * kExactBlock
           ? 0
           : static_cast<int64_t>(
                 (kBlockBytes - reinterpret_cast<uintptr_t>(x) % kBlockBytes) % kBlockBytes / sizeof(T));
