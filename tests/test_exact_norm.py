@@ -320,10 +320,10 @@ def extremes_at_the_end(dtype, seed):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_copied_blocks_are_bounded_by_every_value(exact, dtype, norm_type):
     tensors = extremes_at_the_end(dtype, seed=3)
-    assert kernel_sums(tensors, norm_type) == [
-        *(exact_sum([t], norm_type) for t in tensors),
-        exact_sum(tensors, norm_type),
-    ]
+    expected = [*(exact_sum([t], norm_type) for t in tensors), exact_sum(tensors, norm_type)]
+    for threads in (1, 2):  # (two threads gather into two blocks, each list's part its own)
+        torch.set_num_threads(threads)
+        assert kernel_sums(tensors, norm_type) == expected, threads
 
 
 @pytest.mark.parametrize("norm_type", ORDERS)

@@ -241,26 +241,23 @@ class BitsBounds {
   // (`running`, a local: the stores through `to` may alias *this, which would keep the bounds in memory.)
   void copy_taking(const T* x, int64_t n, T* to) {
     BitsBounds running = *this;
-    const auto copy_vector = [&](int64_t i) {
+    const auto copy_vector = [&](const T* from, int64_t i) {
       BitsV bits;
-      std::memcpy(&bits, x + i, sizeof(bits));
+      std::memcpy(&bits, from, sizeof(bits));
       std::memcpy(to + i, &bits, sizeof(bits));
       running.take(bits);
     };
     if (n < kLanes) {
       alignas(kVectorBytes) T lanes[kLanes];
       load_padded<kLanes>(lanes, x, n, T(0.0f));
-      BitsV bits;
-      std::memcpy(&bits, lanes, sizeof(bits));
-      std::memcpy(to, &bits, sizeof(bits));
-      running.take(bits);
+      copy_vector(lanes, 0);
     } else {
       int64_t i = 0;
       for (; i + kLanes <= n; i += kLanes) {
-        copy_vector(i);
+        copy_vector(x + i, i);
       }
       if (i < n) {
-        copy_vector(n - kLanes);
+        copy_vector(x + n - kLanes, n - kLanes);
       }
     }
     *this = running;
