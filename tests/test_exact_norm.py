@@ -218,22 +218,23 @@ def runs_at_their_bounds(dtype, norm_type, seed):
 def test_runs_stop_at_their_bounds(exact, dtype, norm_type):
     t = runs_at_their_bounds(dtype, norm_type, seed=11)
     assert kernel_sums([t], norm_type)[0] == exact_sum([t], norm_type)
-    # A long span of 16-bit values is walked as four streams side by side, which meet its blocks out of this
-    # order; as tensors of three blocks each (one stream) the runs meet them in order, across the tensors for
-    # the total, and fill up to their bounds.
+    # A long span's first block is cut at a block's edge in memory, so its runs meet blocks that straddle these;
+    # as tensors of three blocks each the runs meet them as built, across the tensors for the total, and fill up
+    # to their bounds.
     pieces = list(t.split(3 * 1024))
     assert kernel_sums(pieces, norm_type)[-1] == exact_sum(pieces, norm_type)
 
 
 @pytest.mark.parametrize("norm_type", ORDERS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_long_spans_walked_as_streams(exact, dtype, norm_type):
-    # Spans of four blocks or more: a short first block up to a block's edge in memory, whole blocks walked as
-    # four streams (16-bit values; some left over) or as one pipelined stream, each block bounded by the loop
-    # that sums the one before (float32), a tail; at several offsets from the edge, at the sizes where streams
-    # begin, and with blocks of different scales meeting in the runs. Among float32's, a block with one value far
-    # below the rest, whose squares are too wide for either run: it goes to the levels, no run's loop bounds the
-    # block after it, and that block's bounds are read on their own.
+def test_long_spans_walked_block_by_block(exact, dtype, norm_type):
+    # Spans of four blocks or more: a short first block up to a block's edge in memory (from 8 blocks on), whole
+    # blocks each read once into a run that checks its sums after (16-bit values, float32 squares) or walked
+    # pipelined, each block bounded by the loop that sums the one before (float32 magnitudes), a tail; at several
+    # offsets from the edge, at the sizes where the cut begins, and with blocks of different scales meeting in the
+    # runs. Among float32's, a block with one value far below the rest, whose squares are too wide for either run:
+    # the check refuses it, it goes to the levels, and for |x| no run's loop bounds the block after it, whose
+    # bounds are then read on their own.
     scales = torch.exp2(torch.randint(-12, 4, (48,), generator=torch.Generator().manual_seed(5)).double())
     base = (make_tensor((48 * 1024,), torch.float64, seed=3) * scales.repeat_interleave(1024)).to(dtype)
     base[5000:6000] = 0
@@ -381,6 +382,23 @@ def test_nan_and_inf(exact):
         z = torch.randn(5000)
         z[where] = math.nan
         assert all(math.isnan(n) for n in _ops.multi_tensor_norm([z], 2.0)[1].tolist() + [z.sum().item()])
+
+
+@pytest.mark.parametrize("norm_type", ORDERS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_nan_or_inf_in_a_checked_block_is_seen(exact, dtype, norm_type):
+    # The runs that check their sums after a block (no bounds pass reads it first) see a NaN or inf only in their
+    # lanes: one at a block's start, middle and end, in a span's first and later whole blocks, and beside values
+    # whose own runs would take them, for each tensor and the total.
+    for where, bad in [(8192, math.nan), (8192 + 511, math.inf), (2 * 8192 - 1, -math.inf), (12 * 1024 + 7, math.nan)]:
+        x = torch.randn(16 * 1024 + 100, generator=torch.Generator().manual_seed(where)).to(dtype)
+        x[where] = bad
+        clean = torch.randn(9 * 1024, generator=torch.Generator().manual_seed(1)).to(dtype)
+        total, per_tensor = _ops.multi_tensor_norm([clean, x], norm_type)
+        expected = math.nan if math.isnan(bad) else math.inf
+        for got in (total.item(), per_tensor[1].item()):
+            assert math.isnan(got) if math.isnan(expected) else got == expected, (where, got)
+        assert per_tensor[0].item() == exact_norm([clean], norm_type)
 
 
 def test_tensors_atens_path_would_take_are_exact_too(exact):

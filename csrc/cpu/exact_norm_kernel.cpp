@@ -3,10 +3,12 @@
 //
 // Why the fast paths are exact: a 16/32-bit value's magnitude (24 bits) and square (48 bits) are exact in
 // float64, and a sum of float64 values is exact when every term is a multiple of some 2^b and every partial
-// sum is below 2^(b + 53). Each block of kExactBlock = 2^10 values is first bounded (its largest magnitude,
-// and its smallest non-zero one, below whose last bit no term's last bit lies), then joins one of two runs
-// of up to kRunTerms (2^13) terms, summed in float64 lanes and handed to the ExactSum only when a block
-// cannot join or the run is full:
+// sum is below 2^(b + 53). Each block of kExactBlock = 2^10 values is bounded (its largest magnitude, and
+// its smallest non-zero one, below whose last bit no term's last bit lies) and joins one of two runs of up to
+// kRunTerms (2^13) terms, summed in float64 lanes and handed to the ExactSum only when a block cannot join or
+// the run is full. A long span's whole blocks of 16-bit values or float32 squares are read once instead: the
+// run adds the terms and takes the smallest magnitude in one loop, then checks its lanes for what the largest
+// would have told it (add_checked), and a block that fails is bounded and joins as any other:
 // - the plain run adds the terms as they are: exact while each of its float64 lanes stays below 2^53 times
 //   the lowest last bit, which it checks (the terms are not negative): squares of bfloat16 values spanning up
 //   to about 2^15, of float16 values about 2^12; magnitudes spanning about 2^38 (bfloat16), 2^35 (float16),
@@ -161,31 +163,27 @@ double from_bits(StorageBits<T> bits) {
   return static_cast<double>(static_cast<float>(value));
 }
 
-// How the blocks come from memory. A long span of 16-bit values is walked as kStreams streams side by side
-// (its middle cut into kStreams parts): a block of each is bounded in one loop, its reads asking
-// kStreamPrefetchBytes ahead of each stream into L1, then each block is summed from L1, the runs asking for
-// that stream's next block into L2 as they go. More streams keep more reads in flight: 64M normal bfloat16
-// values, one AVX-512 core (a harness around this file, exact / today's norm in one process, the median of five
-// alternated runs), 1.35 walked as four streams, 1.58 as one; 8 MB of them (in L3) 0.152 against 0.166 ns an
-// element.
+// How the blocks come from memory. A long span's whole blocks of 16-bit values, or of float32 values squared, are
+// each read once (TermSums::add_checked_blocks): the loop that adds a block's terms takes its smallest magnitude
+// too, and the run checks its lanes after, where it used to bound the block in a pass of its own first (its
+// largest magnitude is what the check stands in for). On 2 AMD EPYC cores (AVX2), build against build
+// (`bench/compare_builds.py`, 10 pairs): bfloat16's exact norm took 0.818 (0.741-0.978) of the time on GPT-2,
+// 0.754 (0.731-0.804) on ResNet-50, 0.709 (0.660-0.790) on 2,000 x 64x64, where each block was bounded first, four
+// streams side by side; float32's 0.919 (0.890-1.005), 0.947 (0.875-1.137) and 0.863 (0.804-0.944) against the
+// pipelined walk below. Four float32 streams read side by side did worse on small tensors (2,000 x 64x64 1.088
+// (1.013-1.162)). The checked loops ask kCheckedPrefetchBytes ahead.
 //
-// A long span of float32 values, whose quanta run takes longer per byte than its reads, is one stream walked
-// pipelined: the loop that sums a block also bounds the next one (BoundsAhead), asking kPrefetchBytes ahead
-// into L2, so the reads from memory go on at an even pace while the sums run instead of stopping for them and
-// then going in a burst. 64M normal float32 values, exact / today's norm (the harness, Xeon at 2.5 GHz, two
-// threads each on half, the medians of seven alternated runs in two runs): 1.80 and 1.50 bounded then summed,
-// 1.34 and 1.36 pipelined; one thread 1.85 and 1.40; 16 MB (in L3) 1.71 and 1.33; AVX2 2.46-3.19 and
-// 1.93-1.98. bfloat16 gained nothing from it (two streams pipelined 1.55 against four side by side 1.52; four
-// pipelined 1.94; one 1.76-1.99): its sums, not its reads, take the time.
+// A long span of float32 magnitudes (p = 1) is walked pipelined: the loop that sums a block also bounds the next
+// one (BoundsAhead), asking kPrefetchBytes ahead into L2, so the reads from memory go on at an even pace while the
+// sums run instead of stopping for them and then going in a burst (64M normal float32 squares, a harness on a Xeon
+// at 2.5 GHz, two threads: exact / today's norm 1.80 and 1.50 bounded then summed, 1.34 and 1.36 pipelined).
 //
 // Blocks on their own (a span's first and last, short spans, gathered ones) are bounded and then summed, the
 // bounds asking kPrefetchBytes ahead into L2, the quanta run kL1PrefetchBytes ahead into L1 (float32 from memory,
 // one stream bounded then summed: 0.59 ns an element without either, 0.38 with the first, 0.33 with both).
-template <typename T>
-constexpr int kStreams = sizeof(T) == 2 ? 4 : 1;
-constexpr int64_t kStreamPrefetchBytes = 512;
 constexpr int64_t kPrefetchBytes = 16384;
 constexpr int64_t kL1PrefetchBytes = 8192;
+constexpr int64_t kCheckedPrefetchBytes = 1024;
 
 // What a run's loop does beside its sums, by where its block lies (`ahead`). A block read in place asks for what
 // follows it in memory (kRunPrefetches); one copied into a buffer (gathered, padded) does not, as what follows the
@@ -201,17 +199,13 @@ struct BlockLies {
 using InPlace = BlockLies<true>;
 using InBuffer = BlockLies<false>;
 
-// A run's prefetch for the kElements it sums at x (kCount: the streams walked side by side), a cache line at a
-// time. The plain run asks only when walking streams.
-template <int kCount, int64_t kElements, bool kPlain, typename Ahead, typename T>
+// The quanta run's prefetch for the kElements it sums at x, a cache line at a time, where its block lies in place.
+template <int64_t kElements, typename Ahead, typename T>
 void prefetch_ahead_of_run(const T* x) {
   constexpr int64_t kLine = 64;
-  for (int64_t byte = 0; byte < kElements * static_cast<int64_t>(sizeof(T)); byte += kLine) {
-    const char* at = reinterpret_cast<const char*>(x) + byte;
-    if constexpr (kCount > 1) {
-      __builtin_prefetch(at + kExactBlock * sizeof(T), 0, 1);
-    } else if constexpr (!kPlain && Ahead::kRunPrefetches) {
-      __builtin_prefetch(at + kL1PrefetchBytes, 0, 3);
+  if constexpr (Ahead::kRunPrefetches) {
+    for (int64_t byte = 0; byte < kElements * static_cast<int64_t>(sizeof(T)); byte += kLine) {
+      __builtin_prefetch(reinterpret_cast<const char*>(x) + byte + kL1PrefetchBytes, 0, 3);
     }
   }
 }
@@ -219,7 +213,7 @@ void prefetch_ahead_of_run(const T* x) {
 // The running bounds of magnitudes, on their bit patterns in full-width vectors of the storage type (32 16-bit
 // lanes with AVX-512: no conversion to float32, half the work of the float32 lanes per element); bits - 1
 // sends a zero to the top, out of the minimum's way.
-template <typename T>
+template <typename T, bool kTakesLargest = true>
 class BitsBounds {
  public:
   using Bits = StorageBits<T>;
@@ -283,7 +277,9 @@ class BitsBounds {
 
   void take(BitsV bits) {
     bits &= kSignless;
-    max_bits_ = max_bits_ > bits ? max_bits_ : bits;
+    if constexpr (kTakesLargest) {
+      max_bits_ = max_bits_ > bits ? max_bits_ : bits;
+    }
     const BitsV less_one = bits - splat<BitsV>(1);
     min_less_one_ = min_less_one_ < less_one ? min_less_one_ : less_one;
   }
@@ -291,27 +287,21 @@ class BitsBounds {
   BitsV max_bits_ = BitsV{}, min_less_one_ = splat<BitsV>(kAllOnes);
 };
 
-// MagnitudeBounds of kCount blocks of n elements each, side by side (streams' blocks are whole vectors of the
-// storage type).
-template <int kCount, typename T>
-void magnitude_bounds(const T* const* blocks, int64_t n, MagnitudeBounds* bounds) {
-  BitsBounds<T> running[kCount];
+// The smallest non-zero magnitude alone (inf where none), for the walk that checks its sums after the fact.
+template <typename T>
+using SmallestBits = BitsBounds<T, false>;
+
+// The MagnitudeBounds of the n values at x.
+template <typename T>
+MagnitudeBounds magnitude_bounds(const T* x, int64_t n) {
+  BitsBounds<T> running;
   int64_t i = 0;
   for (; i + BitsBounds<T>::kLanes <= n; i += BitsBounds<T>::kLanes) {
-    for (int s = 0; s < kCount; ++s) {
-      const char* at = reinterpret_cast<const char*>(blocks[s] + i);
-      if constexpr (kCount == 1) {
-        __builtin_prefetch(at + kPrefetchBytes, 0, 1);
-      } else {
-        __builtin_prefetch(at + kStreamPrefetchBytes, 0, 3);
-      }
-      running[s].take(at);
-    }
+    const char* at = reinterpret_cast<const char*>(x + i);
+    __builtin_prefetch(at + kPrefetchBytes, 0, 1);
+    running.take(at);
   }
-  static_assert(kCount == 1 || kExactBlock % BitsBounds<T>::kLanes == 0, "streams' blocks are whole vectors");
-  for (int s = 0; s < kCount; ++s) {
-    bounds[s] = running[s].result(blocks[s] + i, n - i);
-  }
+  return running.result(x + i, n - i);
 }
 
 // The bounds of a whole block (kExactBlock elements) taken by the loop that sums the block before it: as that
@@ -340,9 +330,7 @@ class BoundsAhead {
     if (taken_) {
       return bounds_.result();
     }
-    MagnitudeBounds bounds;
-    magnitude_bounds<1>(&block_, kExactBlock, &bounds);
-    return bounds;
+    return magnitude_bounds(block_, kExactBlock);
   }
 
  private:
@@ -377,15 +365,18 @@ struct TermRange {
   int lowest_bit;
 };
 
+// The last bit no term's lies below, from the smallest non-zero magnitude (finite: the caller checks for none).
+template <NormKind kKind, typename T>
+int lowest_term_bit(double smallest) {
+  // The smallest magnitude's last bit (a normal value's; a subnormal's lies above it): no term's is lower.
+  const int last_bit = binade_end(smallest) - 1 - kTrailingBits<T>;
+  return kKind == NormKind::Two ? 2 * last_bit : last_bit;
+}
+
 template <NormKind kKind, typename T>
 TermRange term_range(const MagnitudeBounds& bounds) {
-  // The smallest magnitude's last bit (a normal value's; a subnormal's lies above it): no term's is lower.
-  const int last_bit = binade_end(bounds.smallest) - 1 - kTrailingBits<T>;
-  if constexpr (kKind == NormKind::Two) {
-    return {binade_end(bounds.largest * bounds.largest), 2 * last_bit};
-  } else {
-    return {binade_end(bounds.largest), last_bit};
-  }
+  const int top = kKind == NormKind::Two ? binade_end(bounds.largest * bounds.largest) : binade_end(bounds.largest);
+  return {top, lowest_term_bit<kKind, T>(bounds.smallest)};
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
@@ -434,11 +425,12 @@ template <NormKind kKind>
 class PlainRun {
  public:
   static constexpr int kHopefulBits = 6;
+  static constexpr int kCheckedRoomBits = 8;
 
   bool empty() const { return terms_ == 0; }
 
   // Adds the block and returns true, or leaves the run as it was and returns false (`next`: BlockLies' comment).
-  template <int kCount, typename T, typename Ahead>
+  template <typename T, typename Ahead>
   bool add(const T* x, int64_t vectors, const TermRange& range, Ahead& next) {
     const int top = empty() ? range.top : std::max(top_, range.top);
     const int lowest_bit = empty() ? range.lowest_bit : std::min(lowest_bit_, range.lowest_bit);
@@ -454,7 +446,6 @@ class PlainRun {
     int64_t i = 0;
     if constexpr (kWidensStraight<T>) {
       for (; i + 4 * kBlock64 <= vectors; i += 4 * kBlock64) {
-        prefetch_ahead_of_run<kCount, 4 * kBlock64, true, Ahead>(x + i);
         ahead.template take<4 * kBlock64>(i);
         for (int k = 0; k < 4; ++k) {
           add_term(widened_straight(x + i + k * kBlock64), sums[k]);
@@ -467,17 +458,8 @@ class PlainRun {
       }
     } else {
       for (; i + 2 * kBlock <= vectors; i += 2 * kBlock) {
-        prefetch_ahead_of_run<kCount, 2 * kBlock, true, Ahead>(x + i);
         ahead.template take<2 * kBlock>(i);
-        f32v first, second;
-        if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          load_f32_interleaved(x + i, first, second);  // (AVX-512: 0.171 -> 0.147 ns an element in cache)
-        } else {
-          first = load_f32(x + i);
-          second = load_f32(x + i + kBlock);
-        }
-        add_vector(first, sums[0], sums[1]);
-        add_vector(second, sums[2], sums[3]);
+        add_pair(x + i, sums);
       }
       if (i < vectors) {
         ahead.template take<kBlock>(i);
@@ -494,6 +476,49 @@ class PlainRun {
     terms_ = terms;
     lane_terms_ = lane_terms;
     return true;
+  }
+
+  // A whole block of 16-bit values read once (TermSums::add_checked_blocks): its terms added and its smallest
+  // non-zero magnitude taken in one loop, and the lanes checked after, so that no bounds pass reads the block
+  // first. Every term is a multiple of 2^lowest_bit (its smallest magnitude's last bit) and not negative, so a lane
+  // below 2^(lowest_bit + 53) at the end was exact all along; a NaN or inf fails the check. Returns false, the run
+  // as it was, where the check fails.
+  template <typename T>
+  bool add_checked(const T* x) {
+    static_assert(SmallestBits<T>::kLanes == 2 * kBlock, "one storage vector a step");
+    f64v sums[4] = {sums_[0], sums_[1], sums_[2], sums_[3]};  // (in locals: see QuantaRun::add)
+    SmallestBits<T> smallest;
+    for (int64_t i = 0; i < kExactBlock; i += 2 * kBlock) {
+      const char* at = reinterpret_cast<const char*>(x + i);
+      __builtin_prefetch(at + kPrefetchBytes, 0, 1);
+      smallest.take(at);
+      add_pair(x + i, sums);
+    }
+    const double least = smallest.result().smallest;
+    if (least == std::numeric_limits<double>::infinity()) {
+      return true;  // (zeros: nothing to add)
+    }
+    const int block_lowest = lowest_term_bit<kKind, T>(least);
+    const int lowest_bit = empty() ? block_lowest : std::min(lowest_bit_, block_lowest);
+    const f64v limit = splat<f64v>(power_of_two(lowest_bit + 53));
+    for (const f64v& sum : sums) {
+      if (any_lane(!(sum < limit))) {
+        return false;
+      }
+    }
+    std::copy(sums, sums + 4, sums_);
+    // (every term is at most its lane: the largest lane bounds the run's terms for add's a priori bound)
+    top_ = binade_end(largest_lane(sums));
+    lowest_bit_ = lowest_bit;
+    terms_ += kExactBlock;
+    lane_terms_ += kExactBlock / (4 * kBlock64);
+    return true;
+  }
+
+  // Whether the run's largest lane has less than 2^kCheckedRoomBits of its room left: a block then starts a fresh
+  // run rather than try this one and likely be refused.
+  bool nearly_full() const {
+    return !empty() && !(largest_lane(sums_) < power_of_two(lowest_bit_ + 53 - kCheckedRoomBits));
   }
 
   void flush(ExactPartial& out) {
@@ -517,6 +542,20 @@ class PlainRun {
   static double largest_lane(const f64v* sums) {
     const auto larger = [](f64v a, f64v b) { return a > b ? a : b; };
     return fold_lanes(larger(larger(sums[0], sums[1]), larger(sums[2], sums[3])), larger);
+  }
+
+  // The 2 * kBlock values at x into the four sums.
+  template <typename T>
+  static void add_pair(const T* x, f64v* sums) {
+    f32v first, second;
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      load_f32_interleaved(x, first, second);  // (AVX-512: 0.171 -> 0.147 ns an element in cache)
+    } else {
+      first = load_f32(x);
+      second = load_f32(x + kBlock);
+    }
+    add_vector(first, sums[0], sums[1]);
+    add_vector(second, sums[2], sums[3]);
   }
 
   static void add_vector(f32v v, f64v& sum_low, f64v& sum_high) {
@@ -559,39 +598,34 @@ class QuantaRun {
   bool starts(const TermRange& range) {
     for (int headroom = kTopHeadroom; headroom >= 0; --headroom) {
       if (exact_for(range.top + headroom, range.lowest_bit)) {
-        top_ = range.top + headroom;
+        start_at(range.top + headroom);
         lowest_bit_ = range.lowest_bit;
-        sums_[0] = sums_[1] = splat<f64v>(power_of_two(top_ - kQuantumBits + 52));
         return true;
       }
     }
     return false;
   }
 
-  template <int kCount, typename T, typename Ahead>
+  // An empty run given its top, with no term yet: a full run's successor keeps its top.
+  void start_at(int top) {
+    top_ = top;
+    lowest_bit_ = std::numeric_limits<int>::max();
+    sums_[0] = sums_[1] = splat<f64v>(power_of_two(top_ - kQuantumBits + 52));
+    started_ = true;
+  }
+
+  bool started() const { return started_; }
+  int top() const { return top_; }
+  bool full_for(int64_t terms) const { return terms_ + terms > kRunTerms; }
+
+  template <typename T, typename Ahead>
   void add(const T* x, int64_t vectors, const TermRange& range, Ahead& next) {
     lowest_bit_ = std::min(lowest_bit_, range.lowest_bit);
     terms_ += vectors;
     // (in locals: as members, behind `this` or a reference, the compiler must assume the data's loads may alias them)
     f64v sum_low = sums_[0], sum_high = sums_[1], rest_low = rests_[0], rest_high = rests_[1];
     Ahead ahead = next;
-    const auto add_vector = [&](const T* at) {
-      f64v low, high;
-      halves_at<kKind>(at, low, high);
-      if constexpr (kKind == NormKind::Two) {
-        const f64v next_low = low * low + sum_low, next_high = high * high + sum_high;
-        rest_low += low * low - (next_low - sum_low);
-        rest_high += high * high - (next_high - sum_high);
-        sum_low = next_low;
-        sum_high = next_high;
-      } else {
-        const f64v next_low = low + sum_low, next_high = high + sum_high;
-        rest_low += low - (next_low - sum_low);
-        rest_high += high - (next_high - sum_high);
-        sum_low = next_low;
-        sum_high = next_high;
-      }
-    };
+    const auto add_vector = [&](const T* at) { add_terms_at(at, sum_low, sum_high, rest_low, rest_high); };
     // The next block's bounds taken four vectors at a time: AVX2's 16 registers do not hold them beside the sums,
     // and spilled, the running bounds went through memory at every vector, a store and a load on each step's path.
     // Taken four at a time, AVX2's float32 exact norms took 0.86-0.89 of the time (GPT-2 0.861 (0.756-0.968),
@@ -601,12 +635,12 @@ class QuantaRun {
     for (; i + kStep <= vectors; i += kStep) {
       ahead.template take<kStep>(i);
       for (int64_t k = i; k < i + kStep; k += kBlock) {
-        prefetch_ahead_of_run<kCount, kBlock, false, Ahead>(x + k);
+        prefetch_ahead_of_run<kBlock, Ahead>(x + k);
         add_vector(x + k);
       }
     }
     for (; i < vectors; i += kBlock) {
-      prefetch_ahead_of_run<kCount, kBlock, false, Ahead>(x + i);
+      prefetch_ahead_of_run<kBlock, Ahead>(x + i);
       ahead.template take<kBlock>(i);
       add_vector(x + i);
     }
@@ -615,6 +649,43 @@ class QuantaRun {
     rests_[0] = rest_low;
     rests_[1] = rest_high;
     next = ahead;
+  }
+
+  // A whole block of float32 values read once (TermSums::add_checked_blocks): its squares added and its smallest
+  // magnitude taken in one loop, and what add's callers check before (each term below 2^top_, its bits reaching no
+  // lower than exact_for allows) checked after. Squares are not negative, so a lane still below 2^(52 + k) + its
+  // terms * 2^(k + 43) (k = top_ - 43) stayed in its binade, with the quantum as its last bit, all along: each
+  // rounding's remainder was exact and at most half a quantum, and the lane keeps the invariant the other adds count
+  // on; a NaN or inf fails the check. Returns false, the run as it was, where the check fails. The run must have
+  // started, with room for the block.
+  template <typename T>
+  bool add_checked(const T* x) {
+    static_assert(kKind == NormKind::Two && std::is_same_v<T, float>, "float32 squares: the quanta run's terms");
+    f64v sum_low = sums_[0], sum_high = sums_[1], rest_low = rests_[0], rest_high = rests_[1];
+    SmallestBits<T> smallest;
+    for (int64_t i = 0; i < kExactBlock; i += kBlock) {
+      const char* at = reinterpret_cast<const char*>(x + i);
+      __builtin_prefetch(at + kCheckedPrefetchBytes, 0, 3);
+      smallest.take(at);
+      add_terms_at(x + i, sum_low, sum_high, rest_low, rest_high);
+    }
+    const double least = smallest.result().smallest;
+    const int lowest_bit = least == std::numeric_limits<double>::infinity()
+        ? lowest_bit_
+        : std::min(lowest_bit_, lowest_term_bit<kKind, T>(least));
+    const int64_t terms = terms_ + kExactBlock;
+    const int k = top_ - kQuantumBits;
+    const f64v limit = splat<f64v>(power_of_two(k + 52) + static_cast<double>(terms / kBlock) * power_of_two(top_));
+    if (!exact_for(top_, lowest_bit) || any_lane(!(sum_low < limit)) || any_lane(!(sum_high < limit))) {
+      return false;
+    }
+    sums_[0] = sum_low;
+    sums_[1] = sum_high;
+    rests_[0] = rest_low;
+    rests_[1] = rest_high;
+    terms_ = terms;
+    lowest_bit_ = lowest_bit;
+    return true;
   }
 
   void flush(ExactPartial& out) {
@@ -637,7 +708,28 @@ class QuantaRun {
   }
 
  private:
+  // One vector of kBlock values' terms into the quanta and remainder lanes.
+  template <typename T>
+  static void add_terms_at(const T* at, f64v& sum_low, f64v& sum_high, f64v& rest_low, f64v& rest_high) {
+    f64v low, high;
+    halves_at<kKind>(at, low, high);
+    if constexpr (kKind == NormKind::Two) {
+      const f64v next_low = low * low + sum_low, next_high = high * high + sum_high;
+      rest_low += low * low - (next_low - sum_low);
+      rest_high += high * high - (next_high - sum_high);
+      sum_low = next_low;
+      sum_high = next_high;
+    } else {
+      const f64v next_low = low + sum_low, next_high = high + sum_high;
+      rest_low += low - (next_low - sum_low);
+      rest_high += high - (next_high - sum_high);
+      sum_low = next_low;
+      sum_high = next_high;
+    }
+  }
+
   f64v sums_[2] = {}, rests_[2] = {};
+  bool started_ = false;
   int64_t terms_ = 0;
   int top_ = 0, lowest_bit_ = 0;
 };
@@ -667,6 +759,13 @@ class TermSums {
 
   static constexpr int64_t kGatherBelow = kExactBlock / 8;  // (shorter blocks gathered even when whole vectors)
 
+  // Whose terms a run takes without a bounds pass first (add_checked): float32 squares, the quanta run's; 16-bit
+  // terms, the plain run's. (float32 magnitudes walk pipelined.)
+  template <typename T>
+  static constexpr bool kTakesQuanta = std::is_same_v<T, float> && kKind == NormKind::Two;
+  template <typename T>
+  static constexpr bool kChecks = kTakesQuanta<T> || sizeof(T) == 2;
+
   template <typename T>
   void add_span(const T* x, int64_t n) {
     if constexpr (std::is_same_v<T, double>) {
@@ -689,15 +788,15 @@ class TermSums {
         add_short(x, to_boundary);
         begin = to_boundary;
       }
-      // The whole blocks after it as kStreams<T> streams (float32's one pipelined), the rest block by block.
-      const int64_t per_stream = (n - begin) / kExactBlock / kStreams<T>;
-      if (per_stream != 0) {
-        if constexpr (kStreams<T> == 1) {
-          add_pipelined(x + begin, per_stream);
+      // The whole blocks after it read once each, checked after (float32's |x| pipelined), the rest block by block.
+      const int64_t blocks = (n - begin) / kExactBlock;
+      if (blocks != 0) {
+        if constexpr (kChecks<T>) {
+          add_checked_blocks(x + begin, blocks);
         } else {
-          add_streams(x + begin, per_stream);
+          add_pipelined(x + begin, blocks);
         }
-        begin += kStreams<T> * per_stream * kExactBlock;
+        begin += blocks * kExactBlock;
       }
       for (int64_t count = 0; begin < n; begin += count) {
         count = std::min(kExactBlock, n - begin);
@@ -723,34 +822,62 @@ class TermSums {
   // Elements rounded up to whole vectors (kBlock's, the float32 lanes every loop steps by).
   static int64_t whole_vectors(int64_t count) { return (count + kBlock - 1) / kBlock * kBlock; }
 
-  // kStreams<T> streams of per_stream whole blocks from x, walked side by side (kStreams' comment).
+  // `blocks` whole blocks from x, each read once into a run that checks its sums after (add_checked); a block
+  // refused is bounded and added as any other.
   template <typename T>
-  void add_streams(const T* x, int64_t per_stream) {
-    constexpr int kCount = kStreams<T>;
-    for (int64_t j = 0; j < per_stream; ++j) {
-      const T* blocks[kCount];
-      for (int s = 0; s < kCount; ++s) {
-        blocks[s] = x + (s * per_stream + j) * kExactBlock;
-      }
-      MagnitudeBounds bounds[kCount];
-      magnitude_bounds<kCount>(blocks, kExactBlock, bounds);
-      for (int s = 0; s < kCount; ++s) {
-        add_bounded<kCount>(blocks[s], kExactBlock, bounds[s]);
+  void add_checked_blocks(const T* x, int64_t blocks) {
+    for (int64_t j = 0; j < blocks; ++j) {
+      const T* block = x + j * kExactBlock;
+      if (!add_checked(block)) {
+        add_bounded(block, kExactBlock, magnitude_bounds(block, kExactBlock));
       }
     }
   }
 
-  // `blocks` whole blocks from x, each summed by a loop that bounds the next (kStreams' comment).
+  // A whole block into the run its terms take, read once, or false, nothing added. 16-bit terms and |x| go to the
+  // plain run, tried on a fresh one where the run as it is refuses the block (or has nearly no room left). float32
+  // squares go to the quanta run: a full run's successor starts at its top, a run with no top starts from the
+  // block's bounds (a span's first block, or after blocks the check sent elsewhere).
+  template <typename T>
+  bool add_checked(const T* block) {
+    if constexpr (kTakesQuanta<T>) {
+      if (!quanta_.started()) {
+        const MagnitudeBounds bounds = magnitude_bounds(block, kExactBlock);
+        if (!(bounds.largest <= std::numeric_limits<float>::max()) || bounds.largest == 0.0 ||
+            !quanta_.starts(term_range<kKind, T>(bounds))) {
+          return false;  // (an inf or NaN, zeros, or terms too wide: add_bounded's)
+        }
+      } else if (quanta_.full_for(kExactBlock)) {
+        const int top = quanta_.top();
+        quanta_.flush(partial_);
+        quanta_.start_at(top);
+      }
+      return quanta_.add_checked(block);
+    } else {
+      if (plain_.nearly_full()) {
+        plain_.flush(partial_);
+      }
+      if (plain_.add_checked(block)) {
+        return true;
+      }
+      if (plain_.empty()) {
+        return false;
+      }
+      plain_.flush(partial_);
+      return plain_.add_checked(block);
+    }
+  }
+
+  // `blocks` whole blocks from x, each summed by a loop that bounds the next (kPrefetchBytes' comment).
   template <typename T>
   void add_pipelined(const T* x, int64_t blocks) {
-    MagnitudeBounds bounds;
-    magnitude_bounds<1>(&x, kExactBlock, &bounds);
+    MagnitudeBounds bounds = magnitude_bounds(x, kExactBlock);
     for (int64_t j = 0; j + 1 < blocks; ++j) {
       BoundsAhead<T> ahead(x + (j + 1) * kExactBlock);
-      add_bounded<1>(x + j * kExactBlock, kExactBlock, bounds, ahead);
+      add_bounded(x + j * kExactBlock, kExactBlock, bounds, ahead);
       bounds = ahead.result();
     }
-    add_bounded<1>(x + (blocks - 1) * kExactBlock, kExactBlock, bounds);
+    add_bounded(x + (blocks - 1) * kExactBlock, kExactBlock, bounds);
   }
 
   // A block of at most kExactBlock values on its own: gathered, padded, or as it is.
@@ -769,16 +896,14 @@ class TermSums {
   void add_padded(const T* x, int64_t count) {
     const int64_t vectors = whole_vectors(count);
     if (vectors == count) {
-      MagnitudeBounds bounds;
-      magnitude_bounds<1>(&x, count, &bounds);
-      add_bounded<1>(x, count, bounds);
+      add_bounded(x, count, magnitude_bounds(x, count));
       return;
     }
     alignas(64) T padded[kExactBlock + BitsBounds<T>::kLanes];  // (copy_taking's room past the values)
     BitsBounds<T> bounds;
     bounds.copy_taking(x, count, padded);
     std::fill(padded + count, padded + vectors, T(0.0f));
-    add_bounded<1>(padded, vectors, bounds.result(), InBuffer());
+    add_bounded(padded, vectors, bounds.result(), InBuffer());
   }
 
   // Values copied into the gathered block, their bounds taken with the copy, the block added when full, when
@@ -816,12 +941,11 @@ class TermSums {
     BitsBounds<T>& running = std::get<BitsBounds<T>>(gathered_bounds_);
     const MagnitudeBounds bounds = running.result();
     running = BitsBounds<T>();
-    add_bounded<1>(block, vectors, bounds, InBuffer());
+    add_bounded(block, vectors, bounds, InBuffer());
   }
 
-  // A block whose bounds are known into the runs (kCount: the streams its caller walks side by side; `ahead`:
-  // InPlace's comment).
-  template <int kCount, typename T, typename Ahead = InPlace>
+  // A block whose bounds are known into the runs (`ahead`: BlockLies' comment).
+  template <typename T, typename Ahead = InPlace>
   void add_bounded(const T* block, int64_t vectors, const MagnitudeBounds& bounds, Ahead&& ahead = Ahead()) {
     if (!(bounds.largest <= std::numeric_limits<float>::max())) {
       add_terms<kKind>(block, vectors, partial_);  // an inf or NaN
@@ -831,21 +955,21 @@ class TermSums {
       return;
     }
     const TermRange range = term_range<kKind, T>(bounds);
-    if (plain_.template add<kCount>(block, vectors, range, ahead)) {
+    if (plain_.add(block, vectors, range, ahead)) {
       return;
     }
     if (!plain_.empty()) {  // a fresh plain run, with this block alone
       plain_.flush(partial_);
-      if (plain_.template add<kCount>(block, vectors, range, ahead)) {
+      if (plain_.add(block, vectors, range, ahead)) {
         return;
       }
     }
     if (quanta_.takes(range, vectors)) {
-      quanta_.template add<kCount>(block, vectors, range, ahead);
+      quanta_.add(block, vectors, range, ahead);
     } else {
       quanta_.flush(partial_);
       if (quanta_.starts(range)) {
-        quanta_.template add<kCount>(block, vectors, range, ahead);
+        quanta_.add(block, vectors, range, ahead);
       } else {
         add_wide_block<kKind>(block, vectors, range, partial_);
       }
