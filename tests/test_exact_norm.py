@@ -300,6 +300,59 @@ def test_small_spans_gathered_into_whole_blocks(exact, norm_type):
         assert _ops.exact_sums(spoiled, norm_type, False)[0, :2].tolist() == flags, bad
 
 
+def views_end_to_end(dtype, seed):
+    """Views that cover one buffer end to end, as DDP's buckets and FSDP's flat parameters hand gradients: sizes from 1
+    value to several blocks, each view's values at its own scale (some across the dtype's range), an empty view
+    among them. Where only the total is wanted, the kernel reads each run of them as one span."""
+    generator = torch.Generator().manual_seed(seed)
+    sizes = [1, 3, 15, 16, 17, 100, 1000, 1023, 1024, 1025, 3000, 0]
+    chosen = [sizes[int(i)] for i in torch.randint(0, len(sizes), (60,), generator=generator)]
+    buffer = torch.empty(sum(chosen), dtype=dtype)
+    views, start = [], 0
+    for i, n in enumerate(chosen):
+        view = buffer[start : start + n]
+        if i % 7 == 0:
+            view.copy_(wide_range(dtype, n, seed=seed + i))
+        else:
+            low, high = (-20, 10) if dtype == torch.float16 else (-40, 20)
+            scale = 2.0 ** int(torch.randint(low, high, (1,), generator=generator))
+            view.copy_((torch.randn(n, generator=generator, dtype=torch.float64) * scale).to(dtype))
+        views.append(view)
+        start += n
+    return buffer, views
+
+
+@pytest.mark.parametrize("norm_type", ORDERS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_views_end_to_end_are_summed_as_one_span(exact, dtype, norm_type):
+    buffer, views = views_end_to_end(dtype, seed=11)
+    other = torch.randn(100, generator=torch.Generator().manual_seed(2)).to(dtype)
+    # Lists with runs that meet end to end between ones that do not: the views in order, reversed (no two meet), a
+    # view listed twice in a row and views that overlap (each listing counted: neither meets its neighbour's end),
+    # another tensor between two runs, and, for 16-bit dtypes, the buffer's first bytes seen as float32 and the rest
+    # (which starts where the float32 view ends, in another dtype).
+    lists = {
+        "in order": views,
+        "reversed": views[::-1],
+        "twice in a row": [*views[:10], views[9], *views[10:]],
+        "overlapping": [*views[:20], buffer[5:4000], *views[20:]],
+        "another between": [*views[:30], other, *views[30:]],
+    }
+    if dtype.itemsize == 2:
+        lists["another dtype"] = [buffer[:64].view(torch.float32), buffer[64:]]
+    for name, tensors in lists.items():
+        expected = [*(exact_sum([t], norm_type) for t in tensors), exact_sum(tensors, norm_type)]
+        for threads in (1, 2):  # (two threads cut a joined span into pieces)
+            torch.set_num_threads(threads)
+            assert kernel_sums(tensors, norm_type) == expected, (name, threads)
+            total = torchclip.get_total_norm(tensors, norm_type)  # (the total alone, as the clip takes it)
+            assert torch.equal(total, as_dtype(exact_norm(tensors, norm_type), total.dtype)), (name, threads)
+    for bad, flags in ((math.inf, [0, 1]), (math.nan, [1, 0])):  # the total's (NaN, inf) flags, in a joined span
+        _, spoiled = views_end_to_end(dtype, seed=11)
+        next(view for view in spoiled[30:] if view.numel() > 16)[-1] = bad
+        assert _ops.exact_sums(spoiled, norm_type, False)[0, :2].tolist() == flags, bad
+
+
 def extremes_at_the_end(dtype, seed):
     """Tensors of 1 to 66 values (every tail a vector leaves, 16-bit lanes on AVX-512 included), 100 and 1,000,
     of values near 1 whose last one or two are the largest and the smallest magnitudes: a block copied into a

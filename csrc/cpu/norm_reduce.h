@@ -103,19 +103,7 @@ Partial reduce_narrow(const T* x, int64_t n) {
 // (1.051-1.261).
 template <typename T>
 bool asks_ahead() {
-  if constexpr (sizeof(T) == 2) {
-    return true;
-  } else {
-#if defined(__x86_64__) || defined(__i386__)
-    static const bool intel = [] {
-      __builtin_cpu_init();
-      return __builtin_cpu_is("intel") != 0;
-    }();
-    return intel;
-#else
-    return false;
-#endif
-  }
+  return sizeof(T) == 2 || intel_cpu();
 }
 
 template <bool kAsksAhead, typename T>

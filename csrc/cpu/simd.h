@@ -41,6 +41,21 @@ typedef uint32_t u32v __attribute__((vector_size(kVectorBytes)));
 typedef uint64_t u64v __attribute__((vector_size(kVectorBytes)));
 typedef uint16_t u16v __attribute__((vector_size(kVectorBytes / 2)));
 
+// Whether this is an Intel CPU, whose hardware prefetchers stop at 4 KiB page boundaries, so that a loop's own asks
+// ahead (__builtin_prefetch) pay; on an AMD EPYC (Zen 4) some of the same asks cost time (norm_reduce.h's and
+// exact_norm_kernel.cpp's loops say which, with their figures).
+inline bool intel_cpu() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool intel = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+  }();
+  return intel;
+#else
+  return false;
+#endif
+}
+
 // Elements per float32 vector (16, 8 or 4); every 16/32-bit kernel walks its data in blocks of this.
 constexpr int64_t kBlock = kVectorBytes / 4;
 // Elements per float64 vector.
