@@ -236,6 +236,19 @@ def test_balanced_orders_give_every_candidate_every_predecessor_equally(n):
     assert len(set(follows.values())) == 1, follows
 
 
+def test_paired_samples_come_in_whole_designs():
+    # Ratios paired round by round (--exact's) need each candidate to follow each other equally often, which only
+    # whole designs give: 7 rounds of five candidates run as 10, 7 of four as 8; unpaired medians keep the count.
+    calls = []
+    for n, rounds, whole in ((5, 7, 10), (4, 7, 8), (5, 10, 10), (2, 3, 4)):
+        samples = []
+        bench.interleave([lambda k=k: calls.append(k) for k in range(n)], rounds, 0, samples_out=samples)
+        assert [len(s) for s in samples] == [whole] * n, (n, rounds)
+        calls.clear()
+        bench.interleave([lambda k=k: calls.append(k) for k in range(n)], rounds, 0)
+        assert len(calls) == n * rounds
+
+
 def test_step_mode_rows(tmp_path):
     """--step: the four candidates on one optimizer, and the added-cost columns derived from them."""
     out = tmp_path / "steps.json"
