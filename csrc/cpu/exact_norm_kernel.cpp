@@ -482,7 +482,7 @@ class PlainRun {
   // non-zero magnitude taken in one loop, and the lanes checked after, so that no bounds pass reads the block
   // first. Every term is a multiple of 2^lowest_bit (its smallest magnitude's last bit) and not negative, so a lane
   // below 2^(lowest_bit + 53) at the end was exact all along; a NaN or inf fails the check. Returns false, the run
-  // as it was, where the check fails. kAsksAhead: kCheckedAsksAhead's comment.
+  // as it was, where the check fails. kAsksAhead: TermSums::add_checked_blocks_asking's comment.
   template <bool kAsksAhead, typename T>
   bool add_checked(const T* x) {
     static_assert(SmallestBits<T>::kLanes == 2 * kBlock, "one storage vector a step");
@@ -838,7 +838,8 @@ class TermSums {
   // kAsksAhead: 16-bit blocks read once ask for their lines kPrefetchBytes ahead, on Intel CPUs only
   // (simd::intel_cpu). On an AMD EPYC (Zen 4, 2 cores, AVX-512) the exact bfloat16 get_total_norm took 0.954
   // (0.942-0.986) of the time without the asks on GPT-2 and 0.916 (0.892-0.986) on ResNet-50
-  // (`bench/compare_builds.py`, 12 pairs). float32's checked loop (the quanta run's, which asks only
+  // (`bench/compare_builds.py`, 12 pairs), and in a later, noisier run 0.991 (0.939-1.043) and 0.999 (0.909-1.119):
+  // a few percent at most, and none lost. float32's checked loop (the quanta run's, which asks only
   // kCheckedPrefetchBytes ahead) measured 0.906-1.030 without its asks there, every interval across 1: it keeps them.
   template <bool kAsksAhead, typename T>
   void add_checked_blocks_asking(const T* x, int64_t blocks) {

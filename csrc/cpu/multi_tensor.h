@@ -142,9 +142,10 @@ inline void for_each_piece(const ChunkPlan& plan, const TensorSpan* spans, F&& f
 // on the item pool (item_pool.h), which never waits for a thread that has not started, before torch's threads are
 // tried again, and kWinsToForget calls they win in a row reset that. Beside a neighbour torch's threads win most
 // calls and lose about one in ten by a timeslice (a trace of 10,000 x 100's calls on 2 AMD EPYC cores: 0.15 ms won,
-// 4-8 ms lost), so one won call resetting the backoff, as it did, sent each loss's next 2 calls alone to the pool:
-// 2 threads took 1.31 ms a call on average against 0.75 on 1 thread, and 0.71 with this rule. Process-wide, per
-// library: one neighbour slows every call alike.
+// 4-8 ms lost), so one won call resetting the backoff, as it did, sent each loss's next 2 calls alone to the pool.
+// With this rule, `torchclip-bench --busy --threads 1,2` (ten runs of each rule, 80 rows) had 6 rows over 1.5x
+// their time on 1 thread against 13, the worst 2.28x against 13.65x. Process-wide, per library: one neighbour slows
+// every call alike.
 // TORCHCLIP_THREADS=openmp or =pool keeps every call on one of the two (the tests choose, so that each path is
 // covered however busy the machine is).
 class ThreadsLosing {
