@@ -303,10 +303,13 @@ def test_small_spans_gathered_into_whole_blocks(exact, norm_type):
 def views_end_to_end(dtype, seed):
     """Views that cover one buffer end to end, as DDP's buckets and FSDP's flat parameters hand gradients: sizes from 1
     value to several blocks, each view's values at its own scale (some across the dtype's range), an empty view
-    among them. Where only the total is wanted, the kernel reads each run of them as one span."""
+    among them, and one of 70,000 values in the middle, so that a joined run is longer than two of the walk's chunks
+    (65,536 values) and two threads take pieces of it. Where only the total is wanted, the kernel reads each run of
+    them as one span."""
     generator = torch.Generator().manual_seed(seed)
     sizes = [1, 3, 15, 16, 17, 100, 1000, 1023, 1024, 1025, 3000, 0]
     chosen = [sizes[int(i)] for i in torch.randint(0, len(sizes), (60,), generator=generator)]
+    chosen[25] = 70_000
     buffer = torch.empty(sum(chosen), dtype=dtype)
     views, start = [], 0
     for i, n in enumerate(chosen):
