@@ -171,7 +171,15 @@ double from_bits(StorageBits<T> bits) {
 // 0.754 (0.731-0.804) on ResNet-50, 0.709 (0.660-0.790) on 2,000 x 64x64, where each block was bounded first, four
 // streams side by side; float32's 0.919 (0.890-1.005), 0.947 (0.875-1.137) and 0.863 (0.804-0.944) against the
 // pipelined walk below. Four float32 streams read side by side did worse on small tensors (2,000 x 64x64 1.088
-// (1.013-1.162)). The checked loops ask kCheckedPrefetchBytes ahead.
+// (1.013-1.162)).
+//
+// The checked loops ask kCheckedPrefetchBytes ahead into L1 (16-bit blocks on Intel CPUs: add_checked_blocks_asking).
+// A loop that sums stops taking new reads while its sums wait, and on one thread the sums and the reads added up
+// rather than overlapped: on 2 AMD EPYC cores (Zen 4, AVX-512) float32 GPT-2's exact norm took 1.48x today's on one
+// thread, 1.10x on two, 3.0x in L2. Asked 4 KB ahead instead of 1 KB (16-bit blocks, which had not asked there, too)
+// it took 0.917 (0.912-0.933) of the time on one thread and 0.951 (0.875-1.023) on two; bfloat16 0.956
+// (0.948-0.972) and 0.959 (0.913-0.983); ResNet-50 0.935-0.976 (`TORCHCLIP_EXACT_NORM=1 bench/compare_builds.py`,
+// 8 pairs). 8 KB measured as 4 KB (every interval across 1).
 //
 // A long span of float32 magnitudes (p = 1) is walked pipelined: the loop that sums a block also bounds the next
 // one (BoundsAhead), asking kPrefetchBytes ahead into L2, so the reads from memory go on at an even pace while the
@@ -183,7 +191,7 @@ double from_bits(StorageBits<T> bits) {
 // one stream bounded then summed: 0.59 ns an element without either, 0.38 with the first, 0.33 with both).
 constexpr int64_t kPrefetchBytes = 16384;
 constexpr int64_t kL1PrefetchBytes = 8192;
-constexpr int64_t kCheckedPrefetchBytes = 1024;
+constexpr int64_t kCheckedPrefetchBytes = 4096;
 
 // What a run's loop does beside its sums, by where its block lies (`ahead`). A block read in place asks for what
 // follows it in memory (kRunPrefetches); one copied into a buffer (gathered, padded) does not, as what follows the
@@ -482,16 +490,18 @@ class PlainRun {
   // non-zero magnitude taken in one loop, and the lanes checked after, so that no bounds pass reads the block
   // first. Every term is a multiple of 2^lowest_bit (its smallest magnitude's last bit) and not negative, so a lane
   // below 2^(lowest_bit + 53) at the end was exact all along; a NaN or inf fails the check. Returns false, the run
-  // as it was, where the check fails. kAsksAhead: TermSums::add_checked_blocks_asking's comment.
-  template <bool kAsksAhead, typename T>
+  // as it was, where the check fails. kAsksIntoL2: TermSums::add_checked_blocks_asking's comment.
+  template <bool kAsksIntoL2, typename T>
   bool add_checked(const T* x) {
     static_assert(SmallestBits<T>::kLanes == 2 * kBlock, "one storage vector a step");
     f64v sums[4] = {sums_[0], sums_[1], sums_[2], sums_[3]};  // (in locals: see QuantaRun::add)
     SmallestBits<T> smallest;
     for (int64_t i = 0; i < kExactBlock; i += 2 * kBlock) {
       const char* at = reinterpret_cast<const char*>(x + i);
-      if constexpr (kAsksAhead) {
+      if constexpr (kAsksIntoL2) {
         __builtin_prefetch(at + kPrefetchBytes, 0, 1);
+      } else {
+        __builtin_prefetch(at + kCheckedPrefetchBytes, 0, 3);
       }
       smallest.take(at);
       add_pair(x + i, sums);
@@ -835,17 +845,16 @@ class TermSums {
     }
   }
 
-  // kAsksAhead: 16-bit blocks read once ask for their lines kPrefetchBytes ahead, on Intel CPUs only
-  // (simd::intel_cpu). On an AMD EPYC (Zen 4, 2 cores, AVX-512) the exact bfloat16 get_total_norm took 0.954
-  // (0.942-0.986) of the time without the asks on GPT-2 and 0.916 (0.892-0.986) on ResNet-50
-  // (`bench/compare_builds.py`, 12 pairs), and in a later, noisier run 0.991 (0.939-1.043) and 0.999 (0.909-1.119):
-  // a few percent at most, and none lost. float32's checked loop (the quanta run's, which asks only
-  // kCheckedPrefetchBytes ahead) measured 0.906-1.030 without its asks there, every interval across 1: it keeps them.
-  template <bool kAsksAhead, typename T>
+  // kAsksIntoL2: 16-bit blocks read once ask for their lines kPrefetchBytes ahead into L2 on Intel CPUs
+  // (simd::intel_cpu), and kCheckedPrefetchBytes ahead into L1 elsewhere, as float32's checked loop does. On an AMD
+  // EPYC (Zen 4, 2 cores, AVX-512) the L2 asks cost the exact bfloat16 get_total_norm a few percent (without them
+  // 0.954 (0.942-0.986) of the time on GPT-2, 0.916 (0.892-0.986) on ResNet-50; `bench/compare_builds.py`, 12 pairs),
+  // and the L1 asks gained as much (the figures above kCheckedPrefetchBytes).
+  template <bool kAsksIntoL2, typename T>
   void add_checked_blocks_asking(const T* x, int64_t blocks) {
     for (int64_t j = 0; j < blocks; ++j) {
       const T* block = x + j * kExactBlock;
-      if (!add_checked<kAsksAhead>(block)) {
+      if (!add_checked<kAsksIntoL2>(block)) {
         add_bounded(block, kExactBlock, magnitude_bounds(block, kExactBlock));
       }
     }
@@ -855,7 +864,7 @@ class TermSums {
   // plain run, tried on a fresh one where the run as it is refuses the block (or has nearly no room left). float32
   // squares go to the quanta run: a full run's successor starts at its top, a run with no top starts from the
   // block's bounds (a span's first block, or after blocks the check sent elsewhere).
-  template <bool kAsksAhead, typename T>
+  template <bool kAsksIntoL2, typename T>
   bool add_checked(const T* block) {
     if constexpr (kTakesQuanta<T>) {
       if (!quanta_.started()) {
@@ -874,14 +883,14 @@ class TermSums {
       if (plain_.nearly_full()) {
         plain_.flush(partial_);
       }
-      if (plain_.template add_checked<kAsksAhead>(block)) {
+      if (plain_.template add_checked<kAsksIntoL2>(block)) {
         return true;
       }
       if (plain_.empty()) {
         return false;
       }
       plain_.flush(partial_);
-      return plain_.template add_checked<kAsksAhead>(block);
+      return plain_.template add_checked<kAsksIntoL2>(block);
     }
   }
 
