@@ -409,6 +409,13 @@ template <typename T>
 constexpr bool kWidensStraight = false;
 #endif
 
+// Whether a lane of any of the sums is not below `limit` (a NaN is not below): a run's check after the fact, its
+// comparisons joined into one register test.
+template <typename... Sums>
+bool any_lane_not_below(f64v limit, Sums... sums) {
+  return any_lane(((!(sums < limit)) | ...));
+}
+
 // A run's terms at most: 512 per float64 lane of the quanta run's two accumulators (8,192 with AVX-512,
 // 4,096 with AVX2); kRunBits bounds its log2 on every ISA.
 constexpr int64_t kRunTerms = 512 * 2 * kBlock64;
@@ -520,8 +527,7 @@ class PlainRun {
     const int block_lowest = lowest_term_bit<kKind, T>(least);
     const int lowest_bit = empty() ? block_lowest : std::min(lowest_bit_, block_lowest);
     const f64v limit = splat<f64v>(power_of_two(lowest_bit + 53));
-    const auto not_below = [&](f64v sum) { return !(sum < limit); };  // (a NaN is not below)
-    if (any_lane(not_below(sums[0]) | not_below(sums[1]) | not_below(sums[2]) | not_below(sums[3]))) {
+    if (any_lane_not_below(limit, sums[0], sums[1], sums[2], sums[3])) {
       return false;
     }
     std::copy(sums, sums + 4, sums_);
@@ -694,7 +700,7 @@ class QuantaRun {
     const int64_t terms = terms_ + kExactBlock;
     const int k = top_ - kQuantumBits;
     const f64v limit = splat<f64v>(power_of_two(k + 52) + static_cast<double>(terms / kBlock) * power_of_two(top_));
-    if (!exact_for(top_, lowest_bit) || any_lane((!(sum_low < limit)) | (!(sum_high < limit)))) {
+    if (!exact_for(top_, lowest_bit) || any_lane_not_below(limit, sum_low, sum_high)) {
       return false;
     }
     sums_[0] = sum_low;
