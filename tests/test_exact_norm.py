@@ -225,6 +225,45 @@ def test_runs_stop_at_their_bounds(exact, dtype, norm_type):
     assert kernel_sums(pieces, norm_type)[-1] == exact_sum(pieces, norm_type)
 
 
+def at_a_block_edge(values: torch.Tensor) -> torch.Tensor:
+    """values in a view whose data starts where the kernel's blocks of a long span start (a multiple of a block's
+    bytes), so that its blocks are the kernel's."""
+    block_bytes = 1024 * values.element_size()
+    buffer = torch.empty(values.numel() + 1024, dtype=values.dtype)
+    start = (-buffer.data_ptr()) % block_bytes // values.element_size()
+    view = buffer[start : start + values.numel()]
+    view.copy_(values)
+    return view
+
+
+def small_values_at_the_run_floor(dtype, seed):
+    """Pairs of blocks: one of magnitudes in [1, 2), which starts or joins a run, then one of magnitudes up to
+    2^11, its last value small, with its last bit set. The scales take the run's lanes close to their limit,
+    where a term whose last bit lies below the run's lowest bit would be rounded; the small value's exponent
+    sweeps across the floor that a run of 16-bit values sets from its first block (below it, a block's lowest
+    bit is folded from its smallest value)."""
+    info = torch.finfo(dtype)
+    generator = torch.Generator().manual_seed(seed)
+    blocks = []
+    for scale in (1.0, 2.0**2, 2.0**4, 2.0**4.5, 2.0**5, 2.0**8, 2.0**10):
+        for exponent in range(-2, -40, -1):
+            small = (1 + info.eps) * 2.0**exponent
+            if small < info.smallest_normal:
+                break
+            blocks.append(1 + torch.rand(1024, generator=generator, dtype=torch.float64))
+            block = scale * (1 + torch.rand(1024, generator=generator, dtype=torch.float64))
+            block[-1] = small
+            blocks.append(block)
+    return at_a_block_edge(torch.cat(blocks).to(dtype))
+
+
+@pytest.mark.parametrize("norm_type", ORDERS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_value_below_the_run_floor_lowers_the_runs_lowest_bit(exact, dtype, norm_type):
+    t = small_values_at_the_run_floor(dtype, seed=17)
+    assert kernel_sums([t], norm_type) == [exact_sum([t], norm_type)] * 2
+
+
 @pytest.mark.parametrize("norm_type", ORDERS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_long_spans_walked_block_by_block(exact, dtype, norm_type):

@@ -265,6 +265,9 @@ class BitsBounds {
     *this = running;
   }
 
+  // Whether a non-zero value taken lies below `floor` (as magnitude bits).
+  bool any_below(Bits floor) const { return any_lane(min_less_one_ < splat<BitsV>(static_cast<Bits>(floor - 1))); }
+
   // The bounds of what was taken and of the `count` values at `rest` (fewer than a vector's).
   MagnitudeBounds result(const T* rest = nullptr, int64_t count = 0) const {
     Bits largest = fold_lanes(max_bits_, [](BitsV a, BitsV b) { return a > b ? a : b; });
@@ -381,6 +384,20 @@ int lowest_term_bit(double smallest) {
   return kKind == NormKind::Two ? 2 * last_bit : last_bit;
 }
 
+// lowest_term_bit's inverse: the least magnitude, as the storage type's bits, whose term's last bit is not below
+// 2^lowest_bit, so that a block whose non-zero values are all at or above it needs no bound of its own (1 where every
+// non-zero value's is: a subnormal's last bit is the least normal binade's).
+template <NormKind kKind, typename T>
+StorageBits<T> floor_bits(int lowest_bit) {
+  constexpr int kPower = kKind == NormKind::Two ? 2 : 1;
+  constexpr int kBias = std::is_same_v<T, c10::Half> ? 15 : 127;
+  constexpr int kInfField = std::is_same_v<T, c10::Half> ? 31 : 255;
+  const int least_exponent = (lowest_bit >= 0 ? (lowest_bit + kPower - 1) / kPower : -(-lowest_bit / kPower)) +
+      kTrailingBits<T>;  // (the least e with kPower * (e - kTrailingBits) >= lowest_bit)
+  const int field = least_exponent + kBias;
+  return field <= 1 ? 1 : static_cast<StorageBits<T>>(std::min(field, kInfField) << kTrailingBits<T>);
+}
+
 template <NormKind kKind, typename T>
 TermRange term_range(const MagnitudeBounds& bounds) {
   const int top = kKind == NormKind::Two ? binade_end(bounds.largest * bounds.largest) : binade_end(bounds.largest);
@@ -440,13 +457,17 @@ template <NormKind kKind>
 class PlainRun {
  public:
   static constexpr int kHopefulBits = 6;
-  static constexpr int kCheckedRoomBits = 8;
+  static constexpr int kFreshRoomBits = 10;  // (add_checked's comment)
 
   bool empty() const { return terms_ == 0; }
 
   // Adds the block and returns true, or leaves the run as it was and returns false (`next`: BlockLies' comment).
   template <typename T, typename Ahead>
   bool add(const T* x, int64_t vectors, const TermRange& range, Ahead& next) {
+    if (!empty() && top_from_sums_) {
+      top_ = binade_end(largest_lane(sums_));  // (every term is at most its lane)
+      top_from_sums_ = false;
+    }
     const int top = empty() ? range.top : std::max(top_, range.top);
     const int lowest_bit = empty() ? range.lowest_bit : std::min(lowest_bit_, range.lowest_bit);
     const int64_t terms = terms_ + vectors;
@@ -487,7 +508,6 @@ class PlainRun {
       return false;  // (the run's own sums untouched)
     }
     std::copy(sums, sums + 4, sums_);
-    largest_ = largest;
     top_ = top;
     lowest_bit_ = lowest_bit;
     terms_ = terms;
@@ -495,20 +515,26 @@ class PlainRun {
     return true;
   }
 
-  // A whole block of 16-bit values read once (TermSums::add_checked_blocks): its terms added and its smallest
-  // non-zero magnitude taken in one loop, and the lanes checked after, so that no bounds pass reads the block
-  // first. Every term is a multiple of 2^lowest_bit (its smallest magnitude's last bit) and not negative, so a lane
-  // below 2^(lowest_bit + 53) at the end was exact all along; a NaN or inf fails the check. Returns false, the run
-  // as it was, where the check fails. kAsksIntoL2: TermSums::add_checked_blocks_asking's comment.
-  // The check is one register test of the four vectors' comparisons (simd::any_lane), and the largest lane is kept
-  // for nearly_full, which a fold of the lanes answered before every block: with a lane-by-lane test and that fold,
-  // the exact bfloat16 norm took 1.11x as long on one thread (build against build, `TORCHCLIP_EXACT_NORM=1
-  // bench/compare_builds.py`, 8 pairs, AVX-512: GPT-2 0.901 (0.886-0.914), ResNet-50 0.910 (0.899-0.920) of the
-  // time with them; two threads 0.992 (0.923-1.026) and 0.917 (0.869-0.968); AVX2, one thread, 0.940 and 0.928).
+  // A whole block of 16-bit values read once (TermSums::add_checked_blocks): its terms added into lanes of its own
+  // and its smallest non-zero magnitude taken in one loop, and the lanes checked after, so that no bounds pass reads
+  // the block first. Every term is a multiple of 2^lowest_bit and not negative, so a lane below 2^(lowest_bit + 53)
+  // at the end was exact all along, and so was its sum with the run's lane (both multiples of 2^lowest_bit); a NaN or
+  // inf fails the check (one register test of the four vectors' comparisons, simd::any_lane). A block the run cannot
+  // take flushes it into `out` and starts a fresh one, its lanes kept rather than summed again; returns false, the
+  // run as it was, where the block alone fails the check. kAsksIntoL2: TermSums::add_checked_blocks_asking's comment.
+  // The run's lowest bit is a floor that blocks keep: one whose non-zero values all lie at or above floor_bits is
+  // told so by one comparison of its smallest lanes, and only a block with a value below folds its smallest to lower
+  // the floor. A fresh run sets it below its first block's smallest where its lanes' room allows, as low as leaves
+  // them 2^kFreshRoomBits to grow (Gaussian bfloat16 values: down to 2^-11 of their deviation).
+  // Summed into the run's lanes, each block folded its smallest and its largest lane, the runs' lowest bit followed
+  // their running smallest down, a run was flushed every 4 or 5 blocks (before a block, with a lane within 2^8 of its
+  // bound) and about 1.5% of blocks were summed twice: the exact bfloat16 norm took 0.897 (0.893-0.927) of that time
+  // on GPT-2, one thread, 0.992 (0.935-1.055) on two; ResNet-50 0.888 (0.849-0.919) and 0.894 (0.847-0.930); 2,000 x
+  // 64x64 0.904 and 0.903 (build against build, `TORCHCLIP_EXACT_NORM=1 bench/compare_builds.py`, 8 pairs, AVX-512).
   template <bool kAsksIntoL2, typename T>
-  bool add_checked(const T* x) {
+  bool add_checked(const T* x, ExactPartial& out) {
     static_assert(SmallestBits<T>::kLanes == 2 * kBlock, "one storage vector a step");
-    f64v sums[4] = {sums_[0], sums_[1], sums_[2], sums_[3]};  // (in locals: see QuantaRun::add)
+    f64v block[4] = {};
     SmallestBits<T> smallest;
     for (int64_t i = 0; i < kExactBlock; i += 2 * kBlock) {
       const char* at = reinterpret_cast<const char*>(x + i);
@@ -518,31 +544,36 @@ class PlainRun {
         __builtin_prefetch(at + kCheckedPrefetchBytes, 0, 3);
       }
       smallest.take(at);
-      add_pair(x + i, sums);
+      add_pair(x + i, block);
+    }
+    if (!empty()) {
+      int lowest_bit = lowest_bit_;
+      if (smallest.any_below(floor_bits<kKind, T>(lowest_bit_))) {
+        lowest_bit = std::min(lowest_bit_, lowest_term_bit<kKind, T>(smallest.result().smallest));
+      }
+      const f64v sums[4] = {sums_[0] + block[0], sums_[1] + block[1], sums_[2] + block[2], sums_[3] + block[3]};
+      if (!any_lane_not_below(splat<f64v>(power_of_two(lowest_bit + 53)), sums[0], sums[1], sums[2], sums[3])) {
+        std::copy(sums, sums + 4, sums_);
+        lowest_bit_ = lowest_bit;
+        joined(kExactBlock);
+        return true;
+      }
+      flush(out);  // (full, or its lowest bit lowered below what its lanes allow)
     }
     const double least = smallest.result().smallest;
     if (least == std::numeric_limits<double>::infinity()) {
       return true;  // (zeros: nothing to add)
     }
-    const int block_lowest = lowest_term_bit<kKind, T>(least);
-    const int lowest_bit = empty() ? block_lowest : std::min(lowest_bit_, block_lowest);
-    const f64v limit = splat<f64v>(power_of_two(lowest_bit + 53));
-    if (any_lane_not_below(limit, sums[0], sums[1], sums[2], sums[3])) {
+    const int lowest_bit =
+        std::min(lowest_term_bit<kKind, T>(least), binade_end(largest_lane(block)) - 53 + kFreshRoomBits);
+    if (any_lane_not_below(splat<f64v>(power_of_two(lowest_bit + 53)), block[0], block[1], block[2], block[3])) {
       return false;
     }
-    std::copy(sums, sums + 4, sums_);
-    largest_ = largest_lane(sums);
-    // (every term is at most its lane: the largest lane bounds the run's terms for add's a priori bound)
-    top_ = binade_end(largest_);
+    std::copy(block, block + 4, sums_);
     lowest_bit_ = lowest_bit;
-    terms_ += kExactBlock;
-    lane_terms_ += kExactBlock / (4 * kBlock64);
+    joined(kExactBlock);
     return true;
   }
-
-  // Whether the run's largest lane has less than 2^kCheckedRoomBits of its room left: a block then starts a fresh
-  // run rather than try this one and likely be refused.
-  bool nearly_full() const { return !empty() && !(largest_ < power_of_two(lowest_bit_ + 53 - kCheckedRoomBits)); }
 
   void flush(ExactPartial& out) {
     if (!empty()) {
@@ -562,6 +593,13 @@ class PlainRun {
   }
 
  private:
+  // A checked block's count into the run: top_ is then asked of the lanes, where add needs it.
+  void joined(int64_t terms) {
+    terms_ += terms;
+    lane_terms_ += terms / (4 * kBlock64);
+    top_from_sums_ = true;
+  }
+
   static double largest_lane(const f64v* sums) {
     const auto larger = [](f64v a, f64v b) { return a > b ? a : b; };
     return fold_lanes(larger(larger(sums[0], sums[1]), larger(sums[2], sums[3])), larger);
@@ -592,7 +630,7 @@ class PlainRun {
   static void add_term(f64v magnitude, f64v& sum) { sum += kKind == NormKind::Two ? magnitude * magnitude : magnitude; }
 
   f64v sums_[4] = {};
-  double largest_ = 0.0;  // (the largest lane of sums_, kept for nearly_full, asked before every checked block)
+  bool top_from_sums_ = false;  // (top_ is stale: checked blocks joined since add set it)
   int64_t terms_ = 0, lane_terms_ = 0;  // (lane_terms_: the most terms any one lane holds)
   int top_ = 0, lowest_bit_ = 0;
 };
@@ -613,9 +651,9 @@ class QuantaRun {
 
   static bool exact_for(int top, int lowest_bit) { return lowest_bit >= top - kQuantumBits - kRestBits; }
 
+  // (the terms a run holds are exact_for its top, which it keeps: only the block's need asking)
   bool takes(const TermRange& range, int64_t terms) const {
-    return terms_ != 0 && terms_ + terms <= kRunTerms && range.top <= top_ &&
-        exact_for(top_, std::min(lowest_bit_, range.lowest_bit));
+    return terms_ != 0 && terms_ + terms <= kRunTerms && range.top <= top_ && exact_for(top_, range.lowest_bit);
   }
 
   // Whether an empty run can start with this block (at the top it then keeps).
@@ -623,7 +661,6 @@ class QuantaRun {
     for (int headroom = kTopHeadroom; headroom >= 0; --headroom) {
       if (exact_for(range.top + headroom, range.lowest_bit)) {
         start_at(range.top + headroom);
-        lowest_bit_ = range.lowest_bit;
         return true;
       }
     }
@@ -633,7 +670,6 @@ class QuantaRun {
   // An empty run given its top, with no term yet: a full run's successor keeps its top.
   void start_at(int top) {
     top_ = top;
-    lowest_bit_ = std::numeric_limits<int>::max();
     sums_[0] = sums_[1] = splat<f64v>(power_of_two(top_ - kQuantumBits + 52));
     started_ = true;
   }
@@ -644,7 +680,6 @@ class QuantaRun {
 
   template <typename T, typename Ahead>
   void add(const T* x, int64_t vectors, const TermRange& range, Ahead& next) {
-    lowest_bit_ = std::min(lowest_bit_, range.lowest_bit);
     terms_ += vectors;
     // (in locals: as members, behind `this` or a reference, the compiler must assume the data's loads may alias them)
     f64v sum_low = sums_[0], sum_high = sums_[1], rest_low = rests_[0], rest_high = rests_[1];
@@ -677,11 +712,12 @@ class QuantaRun {
 
   // A whole block of float32 values read once (TermSums::add_checked_blocks): its squares added and its smallest
   // magnitude taken in one loop, and what add's callers check before (each term below 2^top_, its bits reaching no
-  // lower than exact_for allows) checked after. Squares are not negative, so a lane still below 2^(52 + k) + its
-  // terms * 2^(k + 43) (k = top_ - 43) stayed in its binade, with the quantum as its last bit, all along: each
-  // rounding's remainder was exact and at most half a quantum, and the lane keeps the invariant the other adds count
-  // on; a NaN or inf fails the check. Returns false, the run as it was, where the check fails. The run must have
-  // started, with room for the block.
+  // lower than exact_for allows: no non-zero value below floor_bits, one comparison of the smallest lanes, where the
+  // smallest was folded and its last bit asked for) checked after. Squares are not negative, so a lane still below
+  // 2^(52 + k) + its terms * 2^(k + 43) (k = top_ - 43) stayed in its binade, with the quantum as its last bit, all
+  // along: each rounding's remainder was exact and at most half a quantum, and the lane keeps the invariant the other
+  // adds count on; a NaN or inf fails the check. Returns false, the run as it was, where the check fails. The run must
+  // have started, with room for the block.
   template <typename T>
   bool add_checked(const T* x) {
     static_assert(kKind == NormKind::Two && std::is_same_v<T, float>, "float32 squares: the quanta run's terms");
@@ -693,14 +729,10 @@ class QuantaRun {
       smallest.take(at);
       add_terms_at(x + i, sum_low, sum_high, rest_low, rest_high);
     }
-    const double least = smallest.result().smallest;
-    const int lowest_bit = least == std::numeric_limits<double>::infinity()
-        ? lowest_bit_
-        : std::min(lowest_bit_, lowest_term_bit<kKind, T>(least));
     const int64_t terms = terms_ + kExactBlock;
     const int k = top_ - kQuantumBits;
     const f64v limit = splat<f64v>(power_of_two(k + 52) + static_cast<double>(terms / kBlock) * power_of_two(top_));
-    if (!exact_for(top_, lowest_bit) || any_lane_not_below(limit, sum_low, sum_high)) {
+    if (smallest.any_below(floor_bits<kKind, T>(k - kRestBits)) || any_lane_not_below(limit, sum_low, sum_high)) {
       return false;
     }
     sums_[0] = sum_low;
@@ -708,7 +740,6 @@ class QuantaRun {
     rests_[0] = rest_low;
     rests_[1] = rest_high;
     terms_ = terms;
-    lowest_bit_ = lowest_bit;
     return true;
   }
 
@@ -755,7 +786,7 @@ class QuantaRun {
   f64v sums_[2] = {}, rests_[2] = {};
   bool started_ = false;
   int64_t terms_ = 0;
-  int top_ = 0, lowest_bit_ = 0;
+  int top_ = 0;
 };
 
 // A block too wide for either run, split over as many levels as its terms need (or term by term).
@@ -788,7 +819,9 @@ class TermSums {
   template <typename T>
   static constexpr bool kTakesQuanta = std::is_same_v<T, float> && kKind == NormKind::Two;
   template <typename T>
-  static constexpr bool kChecks = kTakesQuanta<T> || sizeof(T) == 2;
+  static constexpr bool kChecksPlain = sizeof(T) == 2;
+  template <typename T>
+  static constexpr bool kChecks = kTakesQuanta<T> || kChecksPlain<T>;
 
   template <typename T>
   void add_span(const T* x, int64_t n) {
@@ -867,15 +900,17 @@ class TermSums {
     for (int64_t j = 0; j < blocks; ++j) {
       const T* block = x + j * kExactBlock;
       if (!add_checked<kAsksIntoL2>(block)) {
-        add_bounded(block, kExactBlock, magnitude_bounds(block, kExactBlock));
+        // (a 16-bit block a fresh plain run refused: add's would sum it again, against the same bound)
+        add_bounded(block, kExactBlock, magnitude_bounds(block, kExactBlock), InPlace(),
+            /*tries_plain=*/!kChecksPlain<T>);
       }
     }
   }
 
-  // A whole block into the run its terms take, read once, or false, nothing added. 16-bit terms and |x| go to the
-  // plain run, tried on a fresh one where the run as it is refuses the block (or has nearly no room left). float32
-  // squares go to the quanta run: a full run's successor starts at its top, a run with no top starts from the
-  // block's bounds (a span's first block, or after blocks the check sent elsewhere).
+  // A whole block into the run its terms take, read once, or false, nothing added. 16-bit terms go to the plain run,
+  // which starts a fresh one where it cannot take the block. float32 squares go to the quanta run: a full run's
+  // successor starts at its top, a run with no top starts from the block's bounds (a span's first block, or after
+  // blocks the check sent elsewhere).
   template <bool kAsksIntoL2, typename T>
   bool add_checked(const T* block) {
     if constexpr (kTakesQuanta<T>) {
@@ -892,17 +927,7 @@ class TermSums {
       }
       return quanta_.add_checked(block);
     } else {
-      if (plain_.nearly_full()) {
-        plain_.flush(partial_);
-      }
-      if (plain_.template add_checked<kAsksIntoL2>(block)) {
-        return true;
-      }
-      if (plain_.empty()) {
-        return false;
-      }
-      plain_.flush(partial_);
-      return plain_.template add_checked<kAsksIntoL2>(block);
+      return plain_.template add_checked<kAsksIntoL2>(block, partial_);
     }
   }
 
@@ -982,9 +1007,11 @@ class TermSums {
     add_bounded(block, vectors, bounds, InBuffer());
   }
 
-  // A block whose bounds are known into the runs (`ahead`: BlockLies' comment).
+  // A block whose bounds are known into the runs (`ahead`: BlockLies' comment; tries_plain false: to the quanta run
+  // or the levels).
   template <typename T, typename Ahead = InPlace>
-  void add_bounded(const T* block, int64_t vectors, const MagnitudeBounds& bounds, Ahead&& ahead = Ahead()) {
+  void add_bounded(const T* block, int64_t vectors, const MagnitudeBounds& bounds, Ahead&& ahead = Ahead(),
+      bool tries_plain = true) {
     if (!(bounds.largest <= std::numeric_limits<float>::max())) {
       add_terms<kKind>(block, vectors, partial_);  // an inf or NaN
       return;
@@ -993,13 +1020,15 @@ class TermSums {
       return;
     }
     const TermRange range = term_range<kKind, T>(bounds);
-    if (plain_.add(block, vectors, range, ahead)) {
-      return;
-    }
-    if (!plain_.empty()) {  // a fresh plain run, with this block alone
-      plain_.flush(partial_);
+    if (tries_plain) {
       if (plain_.add(block, vectors, range, ahead)) {
         return;
+      }
+      if (!plain_.empty()) {  // a fresh plain run, with this block alone
+        plain_.flush(partial_);
+        if (plain_.add(block, vectors, range, ahead)) {
+          return;
+        }
       }
     }
     if (quanta_.takes(range, vectors)) {
