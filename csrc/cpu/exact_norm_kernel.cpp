@@ -520,12 +520,15 @@ class PlainRun {
   // the block first. Every term is a multiple of 2^lowest_bit and not negative, so a lane below 2^(lowest_bit + 53)
   // at the end was exact all along, and so was its sum with the run's lane (both multiples of 2^lowest_bit); a NaN or
   // inf fails the check (one register test of the four vectors' comparisons, simd::any_lane). A block the run cannot
-  // take flushes it into `out` and starts a fresh one, its lanes kept rather than summed again; returns false, the
-  // run as it was, where the block alone fails the check. kAsksIntoL2: TermSums::add_checked_blocks_asking's comment.
+  // take flushes it into `out` and starts a fresh one, its lanes kept rather than summed again; returns false, none
+  // of the block added (the run flushed where it could not take it), where the block alone fails the check.
+  // kAsksIntoL2: TermSums::add_checked_blocks_asking's comment.
+  //
   // The run's lowest bit is a floor that blocks keep: one whose non-zero values all lie at or above floor_bits is
   // told so by one comparison of its smallest lanes, and only a block with a value below folds its smallest to lower
   // the floor. A fresh run sets it below its first block's smallest where its lanes' room allows, as low as leaves
   // them 2^kFreshRoomBits to grow (Gaussian bfloat16 values: down to 2^-11 of their deviation).
+  //
   // Summed into the run's lanes, each block folded its smallest and its largest lane, the runs' lowest bit followed
   // their running smallest down, a run was flushed every 4 or 5 blocks (before a block, with a lane within 2^8 of its
   // bound) and about 1.5% of blocks were summed twice: the exact bfloat16 norm took 0.897 (0.893-0.927) of that time
