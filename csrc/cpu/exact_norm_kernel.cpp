@@ -503,8 +503,7 @@ class PlainRun {
       }
     }
     next = ahead;  // (the next block's bounds hold whether or not this block stays)
-    const double largest = largest_lane(sums);
-    if (bound_bits > 53 && !(largest < power_of_two(lowest_bit + 53))) {
+    if (bound_bits > 53 && !lanes_fit(sums, lowest_bit)) {
       return false;  // (the run's own sums untouched)
     }
     std::copy(sums, sums + 4, sums_);
@@ -555,7 +554,7 @@ class PlainRun {
         lowest_bit = std::min(lowest_bit_, lowest_term_bit<kKind, T>(smallest.result().smallest));
       }
       const f64v sums[4] = {sums_[0] + block[0], sums_[1] + block[1], sums_[2] + block[2], sums_[3] + block[3]};
-      if (!any_lane_not_below(splat<f64v>(power_of_two(lowest_bit + 53)), sums[0], sums[1], sums[2], sums[3])) {
+      if (lanes_fit(sums, lowest_bit)) {
         std::copy(sums, sums + 4, sums_);
         lowest_bit_ = lowest_bit;
         joined(kExactBlock);
@@ -569,7 +568,7 @@ class PlainRun {
     }
     const int lowest_bit =
         std::min(lowest_term_bit<kKind, T>(least), binade_end(largest_lane(block)) - 53 + kFreshRoomBits);
-    if (any_lane_not_below(splat<f64v>(power_of_two(lowest_bit + 53)), block[0], block[1], block[2], block[3])) {
+    if (!lanes_fit(block, lowest_bit)) {
       return false;
     }
     std::copy(block, block + 4, sums_);
@@ -601,6 +600,11 @@ class PlainRun {
     terms_ += terms;
     lane_terms_ += terms / (4 * kBlock64);
     top_from_sums_ = true;
+  }
+
+  // Whether every lane is below 2^(lowest_bit + 53), where a sum of multiples of 2^lowest_bit is exact (a NaN is not).
+  static bool lanes_fit(const f64v* sums, int lowest_bit) {
+    return !any_lane_not_below(splat<f64v>(power_of_two(lowest_bit + 53)), sums[0], sums[1], sums[2], sums[3]);
   }
 
   static double largest_lane(const f64v* sums) {
