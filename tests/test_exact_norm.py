@@ -532,6 +532,31 @@ def test_the_switch(cpu_capability):
     assert "TORCHCLIP_EXACT_NORM must be 0 or 1, got 'yes'" in result.stderr
 
 
+def intel_cpu() -> bool:
+    with open("/proc/cpuinfo") as cpuinfo:
+        return any(line.split(":")[-1].strip() == "GenuineIntel" for line in cpuinfo if line.startswith("vendor_id"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="the CPU's vendor is read from /proc/cpuinfo")
+def test_the_other_vendors_paths_are_exact_too():
+    """The kernels choose some loops by the CPU's vendor (simd::intel_cpu: how far to ask ahead, float32 squares in
+    512-bit or 256-bit lanes): the oracle tests again with the paths of the vendor this CPU is not."""
+    oracle_tests = (
+        "true_norm_rounded_once or wide_dynamic_range or runs_across_blocks or runs_stop_at_their_bounds"
+        " or below_the_run_floor or long_spans or small_spans_gathered or views_end_to_end or copied_blocks"
+        " or a_nan_or_inf_in_a_checked_block"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", oracle_tests],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(__file__),
+        env={**os.environ, "TORCHCLIP_CPU_VENDOR": "other" if intel_cpu() else "intel"},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
+
+
 def test_other_orders_keep_float64_accumulation(exact):
     tensors = [make_tensor((1000,), torch.float32, seed=1)]
     for norm_type in (math.inf, 3.0, 0.5):

@@ -11,7 +11,9 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 
@@ -42,18 +44,25 @@ typedef uint64_t u64v __attribute__((vector_size(kVectorBytes)));
 typedef uint16_t u16v __attribute__((vector_size(kVectorBytes / 2)));
 
 // Whether this is an Intel CPU, whose hardware prefetchers stop at 4 KiB page boundaries, so that a loop's own asks
-// ahead (__builtin_prefetch) pay; on an AMD EPYC (Zen 4) some of the same asks cost time (norm_reduce.h's and
-// exact_norm_kernel.cpp's loops say which, with their figures).
+// ahead (__builtin_prefetch) pay; on an AMD EPYC (Zen 4) some of the same asks cost time, and 512-bit operations run
+// as two 256-bit halves (norm_reduce.h's and exact_norm_kernel.cpp's loops say which, with their figures).
+// TORCHCLIP_CPU_VENDOR=intel or =other takes that side's paths on any CPU: each gives the same bits, only its speed
+// differs, and the tests run both on whichever machine they have.
 inline bool intel_cpu() {
-#if defined(__x86_64__) || defined(__i386__)
   static const bool intel = [] {
+    const char* vendor = std::getenv("TORCHCLIP_CPU_VENDOR");
+    const std::string_view chosen = vendor == nullptr ? "" : vendor;
+    if (chosen == "intel" || chosen == "other") {
+      return chosen == "intel";
+    }
+#if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
     return __builtin_cpu_is("intel") != 0;
+#else
+    return false;
+#endif
   }();
   return intel;
-#else
-  return false;
-#endif
 }
 
 // Elements per float32 vector (16, 8 or 4); every 16/32-bit kernel walks its data in blocks of this.
