@@ -273,12 +273,14 @@ def test_long_spans_walked_block_by_block(exact, dtype, norm_type):
     # offsets from the edge, at the sizes where the cut begins, and with blocks of different scales meeting in the
     # runs. Among float32's, a block with one value far below the rest, whose squares are too wide for either run:
     # the check refuses it, it goes to the levels, and for |x| no run's loop bounds the block after it, whose
-    # bounds are then read on their own.
+    # bounds are then read on their own. Spans starting at a page, so no short first block: 15, 16 and 17 whole
+    # blocks, around where float32's blocks are read as two streams (an odd one left for the end).
     scales = torch.exp2(torch.randint(-12, 4, (48,), generator=torch.Generator().manual_seed(5)).double())
     base = (make_tensor((48 * 1024,), torch.float64, seed=3) * scales.repeat_interleave(1024)).to(dtype)
     base[5000:6000] = 0
     if dtype == torch.float32:
         base[9 * 1024 + 17] = 2.0**-40
+    at_page = (-base.data_ptr() % 4096) // base.element_size()
     spans = [
         base[offset : offset + n]
         for offset, n in [
@@ -291,6 +293,9 @@ def test_long_spans_walked_block_by_block(exact, dtype, norm_type):
             (333, 17 * 1024 + 100),
             (2, 30_000),
             (0, 48 * 1024),
+            (at_page, 15 * 1024),
+            (at_page, 16 * 1024),
+            (at_page + 1024, 17 * 1024 + 5),
         ]
     ]
     expected = [*(exact_sum([s], norm_type) for s in spans), exact_sum(spans, norm_type)]
