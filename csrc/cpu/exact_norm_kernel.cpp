@@ -139,7 +139,7 @@ class TermSums {
   // (simd::intel_cpu), and kCheckedPrefetchBytes ahead into L1 elsewhere, as float32's checked loop does. On an AMD
   // EPYC (Zen 4, 2 cores, AVX-512) the L2 asks cost the exact bfloat16 get_total_norm a few percent (without them
   // 0.954 (0.942-0.986) of the time on GPT-2, 0.916 (0.892-0.986) on ResNet-50; `bench/compare_builds.py`, 12 pairs),
-  // and the L1 asks gained as much (the figures above kCheckedPrefetchBytes).
+  // and the L1 asks gained as much (the figures above kCheckedPrefetchBytes, in exact_blocks.h).
   template <bool kAsksIntoL2, typename T>
   void add_checked_blocks_asking(const T* x, int64_t blocks) {
     const auto add_block = [&](const T* block) {
@@ -190,7 +190,7 @@ class TermSums {
     }
   }
 
-  // `blocks` whole blocks from x, each summed by a loop that bounds the next (kPrefetchBytes' comment).
+  // `blocks` whole blocks from x, each summed by a loop that bounds the next (kPrefetchBytes' comment, exact_blocks.h).
   template <typename T>
   void add_pipelined(const T* x, int64_t blocks) {
     MagnitudeBounds bounds = magnitude_bounds(x, kExactBlock);
