@@ -291,11 +291,11 @@ class TermSums {
       }
     }
     if (quanta_.takes(range, vectors)) {
-      quanta_.add(block, vectors, range, ahead);
+      quanta_.add(block, vectors, ahead);
     } else {
       quanta_.flush(partial_);
       if (quanta_.starts(range)) {
-        quanta_.add(block, vectors, range, ahead);
+        quanta_.add(block, vectors, ahead);
       } else {
         add_wide_block<kKind>(block, vectors, range, partial_);
       }

@@ -259,7 +259,7 @@ class QuantaRun {
   bool full_for(int64_t terms) const { return terms_ + terms > kRunTerms; }
 
   template <typename T, typename Ahead>
-  void add(const T* x, int64_t vectors, const TermRange& range, Ahead& next) {
+  void add(const T* x, int64_t vectors, Ahead& next) {
     if constexpr (kHalvesFor<T>) {
       if (splits_wide_ops()) {
         return add_with<HalfWidthLanes>(x, vectors, next);
@@ -361,7 +361,7 @@ class QuantaRun {
 
     static f64half lower(f64v v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3); }
     static f64half upper(f64v v) { return __builtin_shufflevector(v, v, 4, 5, 6, 7); }
-    static f64v joined(f64half a, f64half b) { return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7); }
+    static f64v whole(f64half a, f64half b) { return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7); }
 
     explicit HalfWidthLanes(const QuantaRun& run)
         : sums{lower(run.sums_[0]), upper(run.sums_[0]), lower(run.sums_[1]), upper(run.sums_[1])},
@@ -375,14 +375,14 @@ class QuantaRun {
       }
     }
 
-    f64v sums_low() const { return joined(sums[0], sums[1]); }
-    f64v sums_high() const { return joined(sums[2], sums[3]); }
+    f64v sums_low() const { return whole(sums[0], sums[1]); }
+    f64v sums_high() const { return whole(sums[2], sums[3]); }
 
     void store(QuantaRun& run) const {
-      run.sums_[0] = joined(sums[0], sums[1]);
-      run.sums_[1] = joined(sums[2], sums[3]);
-      run.rests_[0] = joined(rests[0], rests[1]);
-      run.rests_[1] = joined(rests[2], rests[3]);
+      run.sums_[0] = sums_low();
+      run.sums_[1] = sums_high();
+      run.rests_[0] = whole(rests[0], rests[1]);
+      run.rests_[1] = whole(rests[2], rests[3]);
     }
   };
   static bool splits_wide_ops() { return !intel_cpu(); }
