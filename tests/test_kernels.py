@@ -483,8 +483,9 @@ def test_norms_are_bit_identical_across_thread_counts(cpu_capability, dtype):
 
 def test_grouped_small_tensors_keep_their_own_norms(cpu_capability):
     # Small tensors are walked in runs of whole tensors, big ones in pieces; empty ones have no piece.
-    # Each tensor's norm must be the one it has alone, to the bit, whatever the thread count.
-    sizes = [0, 100, 65536, 65537, 0, 3, 1] * 100 + [200_000, 0, 7]
+    # Each tensor's norm must be the one it has alone, to the bit, whatever the thread count and whatever
+    # else the list holds (piece lengths follow a tensor's own size: a quarter of 1,000,003, 2^20 for 5M).
+    sizes = [0, 100, 65536, 65537, 0, 3, 1] * 100 + [200_000, 0, 7, 1_000_003, 5_000_001]
     tensors = [make_tensor((n,), torch.float32, i) for i, n in enumerate(sizes)]
     orders = (2.0, 1.0, 3.0)  # (inf refuses the empty tensors: no identity)
     alone = {ord: [_ops.multi_tensor_norm([t], ord)[1].item() for t in tensors] for ord in orders}

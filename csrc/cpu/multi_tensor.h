@@ -33,9 +33,26 @@ constexpr int64_t kMinElementsPerThread = 32768;
 // Chunks are at least this long (a multiple of every vector width), so a chunk's fixed cost (a partial
 // slot, a loop entry) is amortised over >= 256 KiB of fp32 data.
 constexpr int64_t kMinChunkElements = 1 << 16;
+// A longer tensor is cut into pieces of about a kPiecesPerTensor-th of it, from kMinChunkElements to
+// kMaxChunkElements long (piece_elements): each piece's reads start new streams from memory, which the prefetchers
+// take a while to run ahead on, so longer pieces read faster, while a tensor still gives several threads work (a
+// core a neighbour shares takes fewer pieces). On 2 AMD EPYC cores (Zen 4), 2 threads, against pieces of 64K
+// elements (a scratch build switching per call, 40-100 alternated calls): get_total_norm took 0.93x the time on
+// GPT-2 float32, 0.95x bfloat16, ResNet-50 0.975x and 0.85x; exact norms 0.84x, 0.93x, 0.92x and 0.91x. A 16th of
+// a tensor gained about half as much.
+constexpr int64_t kPiecesPerTensor = 4;
+constexpr int64_t kMaxChunkElements = 1 << 20;
 // ...and there are at most about this many chunks of a big tensor, so the partial slots stay
 // O(number of tensors), not O(elements).
 constexpr int64_t kMaxBigChunks = 1 << 14;
+
+// The length of a tensor's pieces: its own size's alone, never the list's or the threads', so that a tensor's norm
+// has the same bits in any list (Determinism, above).
+inline int64_t piece_elements(int64_t numel) {
+  int64_t piece = std::clamp(numel / kPiecesPerTensor, kMinChunkElements, kMaxChunkElements);
+  piece = std::max(piece, (numel + kMaxBigChunks - 1) / kMaxBigChunks);
+  return (piece + 63) / 64 * 64;
+}
 
 // The unit of work a kernel sees: elements [begin, end) of one tensor, numbered in list order. A
 // tensor no longer than a chunk is one piece; a longer one is cut into chunk-long pieces. Empty
@@ -71,9 +88,7 @@ inline ChunkPlan plan_chunks(const TensorSpan* spans, int64_t count) {
   for (int64_t i = 0; i < count; ++i) {
     total += spans[i].numel;
   }
-  int64_t chunk = std::max(kMinChunkElements, (total + kMaxBigChunks - 1) / kMaxBigChunks);
-  chunk = (chunk + 63) / 64 * 64;
-  // The run of whole small tensors being gathered into one chunk.
+  // The run of whole small tensors being gathered into one chunk of about kMinChunkElements.
   int64_t run_start = -1, run_elements = 0, run_first_piece = 0;
   auto close_run = [&](int64_t end_tensor) {
     if (run_start >= 0) {
@@ -84,10 +99,11 @@ inline ChunkPlan plan_chunks(const TensorSpan* spans, int64_t count) {
   };
   for (int64_t i = 0; i < count; ++i) {
     const int64_t n = spans[i].numel;
-    if (n > chunk) {
+    if (n > kMinChunkElements) {
       close_run(i);
-      for (int64_t b = 0; b < n; b += chunk) {
-        plan.chunks.push_back({i, i + 1, b, std::min(n, b + chunk), plan.pieces++});
+      const int64_t piece = piece_elements(n);
+      for (int64_t b = 0; b < n; b += piece) {
+        plan.chunks.push_back({i, i + 1, b, std::min(n, b + piece), plan.pieces++});
       }
     } else if (n > 0) {
       if (run_start < 0) {
@@ -97,7 +113,7 @@ inline ChunkPlan plan_chunks(const TensorSpan* spans, int64_t count) {
       }
       run_elements += n;
       ++plan.pieces;
-      if (run_elements >= chunk) {
+      if (run_elements >= kMinChunkElements) {
         close_run(i + 1);
       }
     }
