@@ -115,10 +115,13 @@ class TermSums {
   }
 
  private:
-  // A span of float32 values this many whole blocks long or longer is read as two streams, its two halves' blocks
-  // in turn: on 2 AMD EPYC cores (Zen 4) one thread's exact norm of ResNet-50's float32 gradients took 0.79-0.87x
-  // the time of one stream, GPT-2's 0.93x; on two threads, each reading its own chunks, 0.98-1.01x (a scratch build
-  // switching per call, 30-60 alternated calls). 16-bit blocks stay one stream (bfloat16 ResNet-50 1.03x).
+  // A span this many whole blocks long or longer is read as two streams, its two halves' blocks in turn: on 2 AMD
+  // EPYC cores (Zen 4) one thread's exact norm of ResNet-50's float32 gradients took 0.79-0.87x the time of one
+  // stream, GPT-2's 0.93x; on two threads 0.98-1.01x (a scratch build switching per call, 30-60 alternated calls),
+  // and 0.90x for GPT-2 once tensors were cut into longer pieces (multi_tensor.h). 16-bit blocks had measured
+  // 1.03-1.08x in pieces of 64K elements; in the longer pieces, build against build (`TORCHCLIP_EXACT_NORM=1
+  // bench/compare_builds.py`, 12 pairs), bfloat16 and float16 GPT-2 and ResNet-50 took 0.93-0.99x the time of one
+  // stream on 1 and 2 threads.
   static constexpr int64_t kTwoStreamsFrom = 16;
 
   // Elements rounded up to whole vectors (kBlock's, the float32 lanes every loop steps by).
@@ -149,7 +152,7 @@ class TermSums {
             /*tries_plain=*/!kChecksPlain<T>);
       }
     };
-    if (!std::is_same_v<T, float> || blocks < kTwoStreamsFrom) {
+    if (blocks < kTwoStreamsFrom) {
       for (int64_t j = 0; j < blocks; ++j) {
         add_block(x + j * kExactBlock);
       }
