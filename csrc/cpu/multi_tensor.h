@@ -34,29 +34,29 @@ constexpr int64_t kMinElementsPerThread = 32768;
 // slot, a loop entry) is amortised over >= 256 KiB of fp32 data.
 constexpr int64_t kMinChunkElements = 1 << 16;
 // A longer tensor is cut into pieces of about a kPiecesPerTensor-th of it, from kMinChunkElements to
-// kMaxChunkElements long (piece_elements): each piece's reads start new streams from memory, which the prefetchers
+// kMaxPieceElements long (piece_elements): each piece's reads start new streams from memory, which the prefetchers
 // take a while to run ahead on, so longer pieces read faster, while a tensor still gives several threads work (a
 // core a neighbour shares takes fewer pieces). On 2 AMD EPYC cores (Zen 4), 2 threads, against pieces of 64K
 // elements (a scratch build switching per call, 40-100 alternated calls): get_total_norm took 0.93x the time on
 // GPT-2 float32, 0.95x bfloat16, ResNet-50 0.975x and 0.85x; exact norms 0.84x, 0.93x, 0.92x and 0.91x. A 16th of
 // a tensor gained about half as much.
 constexpr int64_t kPiecesPerTensor = 4;
-constexpr int64_t kMaxChunkElements = 1 << 20;
-// ...and there are at most about this many chunks of a big tensor, so the partial slots stay
-// O(number of tensors), not O(elements).
+constexpr int64_t kMaxPieceElements = 1 << 20;
+// A tensor is cut into at most about this many pieces, however big, so the partial slots stay O(number of
+// tensors), not O(elements).
 constexpr int64_t kMaxBigChunks = 1 << 14;
 
 // The length of a tensor's pieces: its own size's alone, never the list's or the threads', so that a tensor's norm
 // has the same bits in any list (Determinism, above).
 inline int64_t piece_elements(int64_t numel) {
-  int64_t piece = std::clamp(numel / kPiecesPerTensor, kMinChunkElements, kMaxChunkElements);
+  int64_t piece = std::clamp(numel / kPiecesPerTensor, kMinChunkElements, kMaxPieceElements);
   piece = std::max(piece, (numel + kMaxBigChunks - 1) / kMaxBigChunks);
   return (piece + 63) / 64 * 64;
 }
 
 // The unit of work a kernel sees: elements [begin, end) of one tensor, numbered in list order. A
-// tensor no longer than a chunk is one piece; a longer one is cut into chunk-long pieces. Empty
-// tensors have none.
+// tensor of at most kMinChunkElements is one piece; a longer one is cut into pieces of piece_elements.
+// Empty tensors have none.
 struct Piece {
   int64_t index;   // 0, 1, ... over all pieces, in list order
   int64_t tensor;  // index into the span list
@@ -64,8 +64,8 @@ struct Piece {
   int64_t end;
 };
 
-// What a thread is handed: one piece of a big tensor, or a run of whole small tensors of about a
-// chunk's elements together. Grouping small tensors keeps the plan O(chunks), not O(tensors): for
+// What a thread is handed: one piece of a big tensor, or a run of whole small tensors of about
+// kMinChunkElements together. Grouping small tensors keeps the plan O(chunks), not O(tensors): for
 // 10,000 tensors of 100 elements a plan with an entry per tensor cost ~85 us to build (as much as
 // clamping them); this one has 16 entries.
 struct Chunk {
