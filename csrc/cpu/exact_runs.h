@@ -109,17 +109,28 @@ class PlainRun {
   template <bool kAsksIntoL2, typename T>
   bool add_checked(const T* x, ExactPartial& out) {
     static_assert(SmallestBits<T>::kLanes == 2 * kBlock, "one storage vector a step");
-    f64v block[4] = {};
+    f64v sets[kCheckedSumSets][4] = {};
     SmallestBits<T> smallest;
-    for (int64_t i = 0; i < kExactBlock; i += 2 * kBlock) {
-      const char* at = reinterpret_cast<const char*>(x + i);
-      if constexpr (kAsksIntoL2) {
-        __builtin_prefetch(at + kPrefetchBytes, 0, 1);
-      } else {
-        __builtin_prefetch(at + kCheckedPrefetchBytes, 0, 3);
+    for (int64_t i = 0; i < kExactBlock; i += kCheckedSumSets * 2 * kBlock) {
+      for (int set = 0; set < kCheckedSumSets; ++set) {
+        const char* at = reinterpret_cast<const char*>(x + i + set * 2 * kBlock);
+        if constexpr (kAsksIntoL2) {
+          __builtin_prefetch(at + kPrefetchBytes, 0, 1);
+        } else {
+          __builtin_prefetch(at + kCheckedPrefetchBytes, 0, 3);
+        }
+        smallest.take(at);
       }
-      smallest.take(at);
-      add_pair(x + i, block);
+      for (int set = 0; set < kCheckedSumSets; ++set) {
+        add_pair(x + i + set * 2 * kBlock, sets[set]);
+      }
+    }
+    // (each set's lanes are multiples of 2^lowest_bit, not negative: where their sum fits, so did each set, exactly)
+    f64v* const block = sets[0];
+    for (int set = 1; set < kCheckedSumSets; ++set) {
+      for (int j = 0; j < 4; ++j) {
+        block[j] += sets[set][j];
+      }
     }
     if (!empty()) {
       int lowest_bit = lowest_bit_;
@@ -279,7 +290,11 @@ class QuantaRun {
   template <typename T>
   bool add_checked(const T* x) {
     static_assert(kHalvesFor<T>, "float32 squares: the quanta run's terms");
-    return splits_wide_ops() ? add_checked_with<HalfWidthLanes>(x) : add_checked_with<FullWidthLanes>(x);
+    if constexpr (kCheckedSumSets == 2) {
+      return add_checked_with<PairedLanes>(x);
+    } else {
+      return splits_wide_ops() ? add_checked_with<HalfWidthLanes>(x) : add_checked_with<FullWidthLanes>(x);
+    }
   }
 
   void flush(ExactPartial& out) {
@@ -323,6 +338,7 @@ class QuantaRun {
   // The run's lanes while a loop adds to them, in locals: as members, behind `this` or a reference, the compiler
   // must assume the data's loads may alias them.
   struct FullWidthLanes {
+    static constexpr int64_t kVectors = 1;  // (a step's vectors: add's)
     f64v sum_low, sum_high, rest_low, rest_high;
 
     explicit FullWidthLanes(const QuantaRun& run)
@@ -356,6 +372,7 @@ class QuantaRun {
   // and keep the full width (not measured this way).
 #if defined(__AVX512F__)
   struct HalfWidthLanes {
+    static constexpr int64_t kVectors = 1;
     typedef double f64half __attribute__((vector_size(kVectorBytes / 2)));
     f64half sums[4], rests[4];
 
@@ -391,8 +408,42 @@ class QuantaRun {
   static bool splits_wide_ops() { return false; }
 #endif
 
+  // Two FullWidthLanes, the second adding every other vector (kCheckedSumSets). Both are biased by 2^(52 + k): the
+  // second's quanta, its lanes less the bias (exact within the binade), join the first's in one addition; a lane that
+  // left its binade makes the joined lane fail add_checked's check.
+  struct PairedLanes {
+    static constexpr int64_t kVectors = 2;
+    FullWidthLanes first, second;
+    f64v bias;
+
+    explicit PairedLanes(const QuantaRun& run) : first(run), second(fresh_like(run)), bias(second.sum_low) {}
+
+    static QuantaRun fresh_like(const QuantaRun& run) {
+      QuantaRun fresh;
+      fresh.start_at(run.top_);
+      return fresh;
+    }
+
+    template <typename T>
+    void add(const T* at) {
+      first.add(at);
+      second.add(at + kBlock);
+    }
+
+    f64v sums_low() const { return first.sum_low + (second.sum_low - bias); }
+    f64v sums_high() const { return first.sum_high + (second.sum_high - bias); }
+
+    void store(QuantaRun& run) const {
+      run.sums_[0] = sums_low();
+      run.sums_[1] = sums_high();
+      run.rests_[0] = first.rest_low + second.rest_low;  // (exact: every remainder is a multiple of 2^(k - kRestBits))
+      run.rests_[1] = first.rest_high + second.rest_high;
+    }
+  };
+
   template <typename Lanes, typename T, typename Ahead>
   void add_with(const T* x, int64_t vectors, Ahead& next) {
+    static_assert(Lanes::kVectors == 1, "a vector a step");
     terms_ += vectors;
     Lanes lanes(*this);
     Ahead ahead = next;
@@ -422,10 +473,12 @@ class QuantaRun {
   bool add_checked_with(const T* x) {
     Lanes lanes(*this);
     SmallestBits<T> smallest;
-    for (int64_t i = 0; i < kExactBlock; i += kBlock) {
-      const char* at = reinterpret_cast<const char*>(x + i);
-      __builtin_prefetch(at + kCheckedPrefetchBytes, 0, 3);
-      smallest.take(at);
+    for (int64_t i = 0; i < kExactBlock; i += Lanes::kVectors * kBlock) {
+      for (int64_t vector = 0; vector < Lanes::kVectors; ++vector) {
+        const char* at = reinterpret_cast<const char*>(x + i + vector * kBlock);
+        __builtin_prefetch(at + kCheckedPrefetchBytes, 0, 3);
+        smallest.take(at);
+      }
       lanes.add(x + i);
     }
     const int64_t terms = terms_ + kExactBlock;
