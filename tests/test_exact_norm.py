@@ -274,13 +274,16 @@ def test_long_spans_walked_block_by_block(exact, dtype, norm_type):
     # runs. Among float32's, a block with one value far below the rest, whose squares are too wide for either run:
     # the check refuses it, it goes to the levels, and for |x| no run's loop bounds the block after it, whose
     # bounds are then read on their own. Spans starting at a page, so no short first block: 15, 16 and 17 whole
-    # blocks, around where a span's blocks are read as two streams (an odd one left for the end).
+    # blocks, around where a span's blocks are read as two streams (an odd one left for the end). And one value far
+    # below its block's, 24 values into a block from a page: in the vectors a checked loop adds into its second set
+    # of sums, where it keeps more than one (AVX2), whose smallest values the check must see as well.
     scales = torch.exp2(torch.randint(-12, 4, (48,), generator=torch.Generator().manual_seed(5)).double())
     base = (make_tensor((48 * 1024,), torch.float64, seed=3) * scales.repeat_interleave(1024)).to(dtype)
     base[5000:6000] = 0
     if dtype == torch.float32:
         base[9 * 1024 + 17] = 2.0**-40
     at_page = (-base.data_ptr() % 4096) // base.element_size()
+    base[at_page + 11 * 1024 + 24] = 2.0**-24 if dtype == torch.float16 else 2.0**-40
     spans = [
         base[offset : offset + n]
         for offset, n in [
