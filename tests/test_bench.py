@@ -139,6 +139,42 @@ def test_exact_rows_time_the_exact_norms_beside_todays(tmp_path, many_small):
     assert calls == [True] and torchclip.get_exact_norm() is False
 
 
+def test_busy_rows_on_two_threads_time_the_call_on_one_thread_beside_them(tmp_path, many_small):
+    out = tmp_path / "rows.json"
+    argv = [
+        "--quick",
+        "--workload",
+        many_small,
+        "--rounds",
+        "2",
+        "--busy",
+        "--threads",
+        "1,2",
+        "--op",
+        "get_total_norm",
+    ]
+    result = bench_cli(*argv, "--exact", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "1 thr ms" in result.stdout and "x 1 thr" in result.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted(row["threads"] for row in rows) == [1, 2]
+    for row in rows:
+        assert (row["one_thread_ms"] is not None) == (row["threads"] == 2), row
+        assert row["exact_ms"] is not None  # (the exact call and the one-thread call in the same rounds)
+        if row["one_thread_ms"] is not None:
+            median, low, high = row["one_thread_ratio"]
+            assert 0 < low <= median <= high
+    threads = []
+    one_thread_call = bench.on_one_thread(lambda: threads.append(torch.get_num_threads()))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        one_thread_call()
+        assert threads == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_generator_parameters_run_and_are_named_in_the_header(tmp_path):
     out = tmp_path / "rows.json"
     result = bench_cli(

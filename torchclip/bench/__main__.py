@@ -71,6 +71,10 @@ class Row:
     exact_ms: float | None = None  # torchclip with exact norms (--exact), on the rows that take a norm
     # exact / torchclip: the median of the rounds' paired ratios and its 95% bootstrap interval (intervals.py)
     exact_ratio: tuple[float, float, float] | None = None
+    # --busy, rows on more than one thread: torchclip's call on one thread, timed in the same rounds, and torchclip /
+    # that (over 1: slower on more threads than on one), the paired rounds' median and its 95% interval
+    one_thread_ms: float | None = None
+    one_thread_ratio: tuple[float, float, float] | None = None
 
 
 def run(
@@ -85,6 +89,7 @@ def run(
     separate=False,
     as_generators=False,
     exact=False,
+    against_one_thread=False,
 ):
     rows = []
     sync = torch.cuda.synchronize if device == "cuda" else no_sync
@@ -102,9 +107,18 @@ def run(
             with_exact = exact and op in NORM_OPS
             if with_exact:
                 timed_fns.append(with_exact_norms(c.torchclip))
+            with_one_thread = against_one_thread and threads > 1
+            if with_one_thread:
+                timed_fns.append(on_one_thread(c.torchclip))
+            one_thread = len(timed_fns) - 1
             samples = []
             timings = interleave(
-                timed_fns, rounds, warmup, c.prepare, sync, samples_out=samples if with_exact else None
+                timed_fns,
+                rounds,
+                warmup,
+                c.prepare,
+                sync,
+                samples_out=samples if with_exact or with_one_thread else None,
             )
             t_torch, t_no_foreach, t_clip, t_bound = (median for median, _ in timings[:4])
             bytes_moved = g.flat.numel() * g.flat.element_size() * c.passes
@@ -127,6 +141,8 @@ def run(
                     device,
                     timings[4][0] if with_exact else None,
                     ratio_interval(samples[4], samples[2]) if with_exact else None,
+                    timings[one_thread][0] if with_one_thread else None,
+                    ratio_interval(samples[2], samples[one_thread]) if with_one_thread else None,
                 )
             )
             g.reset()
@@ -138,6 +154,11 @@ def run(
 def _ratio_text(ratio) -> str:
     median, low, high = ratio
     return f"{median:.2f} ({low:.2f}-{high:.2f})"
+
+
+def _paired_columns(ms, ratio) -> list[str]:
+    """A paired call's columns: its ms and its ratio with interval, or dashes on a row without it."""
+    return [f"{ms:.3f}", _ratio_text(ratio)] if ms is not None else ["-", "-"]
 
 
 def with_exact_norms(call):
@@ -153,8 +174,24 @@ def with_exact_norms(call):
     return exact_call
 
 
+def on_one_thread(call):
+    """`call` on one thread (torch.set_num_threads(1)), the thread count as it was after: beside a busy neighbour,
+    what the same call costs without a second thread, timed in the same rounds as the call on more."""
+
+    def one_thread_call():
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return call()
+        finally:
+            torch.set_num_threads(threads)
+
+    return one_thread_call
+
+
 def format_table(rows) -> str:
     exact = any(r.exact_ms is not None for r in rows)
+    one_thread = any(r.one_thread_ms is not None for r in rows)
     header = [
         "workload",
         "dtype",
@@ -168,7 +205,9 @@ def format_table(rows) -> str:
         "x bound",
         "GB/s",
         "spread",
-    ] + (["exact ms", "exact x (95%)"] if exact else [])
+    ]
+    header += ["exact ms", "exact x (95%)"] if exact else []
+    header += ["1 thr ms", "x 1 thr (95%)"] if one_thread else []
     return format_columns(
         header,
         [
@@ -186,11 +225,8 @@ def format_table(rows) -> str:
                 f"{r.gbps:.1f}",
                 f"{100 * r.spread:.0f}%",
             ]
-            + (
-                ([f"{r.exact_ms:.3f}", _ratio_text(r.exact_ratio)] if r.exact_ms is not None else ["-", "-"])
-                if exact
-                else []
-            )
+            + (_paired_columns(r.exact_ms, r.exact_ratio) if exact else [])
+            + (_paired_columns(r.one_thread_ms, r.one_thread_ratio) if one_thread else [])
             for r in rows
         ],
         left=4,
@@ -327,7 +363,9 @@ def parse_args(argv):
         "--busy",
         action="store_true",
         help="a busy neighbour: another process spins on one core for the whole run, as a data loader's worker "
-        "does beside training (compare --threads 1,2: no row should be slower on 2 threads than on 1)",
+        "does beside training; rows on more than one thread also time torchclip's call on one thread in the same "
+        "rounds: columns 1 thr ms and x 1 thr (torchclip / that, paired rounds' median and 95%% interval; over 1: "
+        "slower on more threads than on one)",
     )
     parser.add_argument("--quick", action="store_true", help="small workloads, few rounds: seconds, for CI")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -407,6 +445,7 @@ def _main(args, argv) -> int:
         separate=args.grads == "separate",
         as_generators=args.params == "generator",
         exact=args.exact,
+        against_one_thread=args.busy,
     )
     where = (
         f"GPU: {torch.cuda.get_device_name()}"

@@ -102,6 +102,12 @@ def markdown_page(rows, table: str, header: str, command: str, plot_path: str | 
             "exact / torchclip, the median of the rounds' paired ratios and its 95% bootstrap interval (one process;",
             "bench/compare_builds.py --exact gives the interval over fresh processes).",
         ]
+    if any(getattr(r, "one_thread_ms", None) is not None for r in rows):
+        lines[-1:-1] = [
+            "1 thr ms is torchclip's call on one thread, timed in the same rounds beside the busy neighbour (--busy);",
+            "x 1 thr = torchclip / 1 thr, the median of the rounds' paired ratios and its 95% bootstrap interval (over",
+            "1: slower on more threads than on one).",
+        ]
     if plot_path:
         lines += [f"![speed-up and fraction of the bound]({os.path.basename(plot_path)})", ""]
     lines += ["```", table, "```", ""]
