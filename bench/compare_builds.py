@@ -13,8 +13,9 @@ on both alike. A pair gives each row one ratio, candidate / baseline (each the m
 rounds); the table gives the median ratio over the pairs and its 95% bootstrap interval
 (torchclip/bench/intervals.py).
 A row meets --bar when the interval's upper end is under it. With --exact there is no baseline: every run is
-`torchclip-bench --exact` of the candidate, and its ratio is exact norms over today's norms, timed interleaved in
-that process; the runs are the pairs. With --step (torchclip-bench --step: what clipping adds to an optimizer
+`torchclip-bench --exact` of the candidate, and its ratio is that run's own exact / today: the median of its
+calls paired in twin rounds (an exact call with today's at the same place after the same calls; timing.interleave),
+not the ratio of its medians, which compares calls after different ones; the runs are the pairs. With --step (torchclip-bench --step: what clipping adds to an optimizer
 step), each run's own figure is the reads the folded clip adds (its rows' "torchclip added"), so the table gives
 each build's median and interval of those, a row meeting --bar when the candidate's upper end is under it, and,
 with a baseline, the candidate / baseline ratio of the clipped step's time.
@@ -67,12 +68,14 @@ def key(row: dict) -> tuple:
     return row["workload"], row["optimizer"] if "optimizer" in row else row["op"], row["dtype"], row["threads"]
 
 
-def collect(args, bench_args, trees) -> tuple[dict, dict, dict]:
-    """Per row: the baseline's and the candidate's time of each pair, and torch's of every run (--step: each
-    build's rows of every run, and the step's own time)."""
+def collect(args, bench_args, trees) -> tuple[dict, dict, dict, dict]:
+    """Per row: the baseline's and the candidate's time of each pair, torch's of every run (--step: each build's
+    rows of every run, and the step's own time) and, with --exact, each run's own exact / today (its twin rounds'
+    paired ratios' median: torchclip/bench/timing.py's interleave)."""
     base: dict[tuple, list] = {}
     cand: dict[tuple, list] = {}
     torch_ms: dict[tuple, list[float]] = {}
+    exact_ratios: dict[tuple, list[float]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         for pair in range(args.pairs):
             if args.exact:
@@ -94,10 +97,11 @@ def collect(args, bench_args, trees) -> tuple[dict, dict, dict]:
                         if row.get("exact_ms") is not None:
                             base.setdefault(key(row), []).append(row["torchclip_ms"])
                             cand.setdefault(key(row), []).append(row["exact_ms"])
+                            exact_ratios.setdefault(key(row), []).append(row["exact_ratio"][0])
                     else:
                         (base if build == "baseline" else cand).setdefault(key(row), []).append(row["torchclip_ms"])
             print(f"pair {pair + 1}/{args.pairs} done", file=sys.stderr, flush=True)
-    return base, cand, torch_ms
+    return base, cand, torch_ms, exact_ratios
 
 
 def instructions_per_call(tree: str, row_key: tuple, exact: bool, calls: int) -> float:
@@ -228,7 +232,7 @@ def main(argv=None) -> int:
     trees = {"candidate": os.path.abspath(args.candidate)}
     if args.baseline is not None:
         trees["baseline"] = os.path.abspath(args.baseline)
-    base, cand, torch_ms = collect(args, bench_args, trees)
+    base, cand, torch_ms, exact_ratios = collect(args, bench_args, trees)
     if args.step:
         runs = f"{args.pairs} {'pairs' if args.baseline else 'runs'}"
         where = f"candidate {trees['candidate']}" + ("" if args.baseline is None else f"\nbaseline {trees['baseline']}")
@@ -251,7 +255,7 @@ def main(argv=None) -> int:
         b, c = base[row_key], cand[row_key]
         if len(c) != len(b):
             continue
-        median, low, high = ratio_interval(c, b)
+        median, low, high = median_interval(exact_ratios[row_key]) if args.exact else ratio_interval(c, b)
         met = "" if args.bar is None else (" yes |" if high < args.bar else " no |")
         t = torch_ms[row_key]
         print(

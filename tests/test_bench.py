@@ -14,6 +14,7 @@ from testing import cuda_only
 import torchclip
 from torchclip.bench import __main__ as bench
 from torchclip.bench import adaptive, workloads
+from torchclip.bench import timing as bench_timing
 from torchclip.bench.timing import byte_stream_buffer
 
 
@@ -272,17 +273,28 @@ def test_balanced_orders_give_every_candidate_every_predecessor_equally(n):
     assert len(set(follows.values())) == 1, follows
 
 
-def test_paired_samples_come_in_whole_designs():
-    # Ratios paired round by round (--exact's) need each candidate to follow each other equally often, which only
-    # whole designs give: 7 rounds of five candidates run as 10, 7 of four as 8; unpaired medians keep the count.
+@pytest.mark.parametrize("n, twins", [(5, [(4, 2)]), (5, [(2, 4)]), (6, [(4, 2), (2, 5)]), (2, [(0, 1)])])
+def test_twin_rounds_pair_calls_that_follow_the_same_calls(monkeypatch, n, twins):
+    # Each timed call's "time" is its place in the run, so a pair names the two calls it compares.
     calls = []
-    for n, rounds, whole in ((5, 7, 10), (4, 7, 8), (5, 10, 10), (2, 3, 4)):
-        samples = []
-        bench.interleave([lambda k=k: calls.append(k) for k in range(n)], rounds, 0, samples_out=samples)
-        assert [len(s) for s in samples] == [whole] * n, (n, rounds)
-        calls.clear()
-        bench.interleave([lambda k=k: calls.append(k) for k in range(n)], rounds, 0)
-        assert len(calls) == n * rounds
+    monkeypatch.setattr(bench_timing, "timed", lambda fn, prepare=None, sync=None: (fn(), len(calls) - 1)[1])
+    paired = []
+    bench_timing.interleave([lambda k=k: calls.append(k) for k in range(n)], 7, 0, twins=twins, twins_out=paired)
+    design = len(bench.balanced_orders(n)) * (1 + len(twins))
+    whole = -(-7 // design) * design
+    assert len(calls) == n * whole  # 7 rounds run as whole designs
+    for (a, b), (firsts, seconds) in zip(twins, paired):
+        rows = whole // (1 + len(twins))  # (each candidate opens rows / n of them: its calls there are not paired)
+        assert len(firsts) == len(seconds) == 2 * rows - 2 * (rows // n)
+        swap = {a: b, b: a}
+        for first, second in zip(firsts, seconds):
+            assert {calls[first], calls[second]} == {a, b} and first % n == second % n
+            before_first = calls[first - first % n : first]
+            before_second = [swap.get(c, c) for c in calls[second - second % n : second]]
+            assert first % n != 0 and before_first == before_second
+    calls.clear()
+    bench_timing.interleave([lambda k=k: calls.append(k) for k in range(n)], 7, 0)
+    assert len(calls) == n * 7  # (no twins: the rounds as asked)
 
 
 def test_step_mode_rows(tmp_path):

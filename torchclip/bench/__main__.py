@@ -69,10 +69,11 @@ class Row:
     spread: float
     device: str = "cpu"
     exact_ms: float | None = None  # torchclip with exact norms (--exact), on the rows that take a norm
-    # exact / torchclip: the median of the rounds' paired ratios and its 95% bootstrap interval (intervals.py)
+    # exact / torchclip: the median of the twin rounds' paired ratios (timing.interleave) and its 95% bootstrap
+    # interval (intervals.py)
     exact_ratio: tuple[float, float, float] | None = None
-    # --busy, rows on more than one thread: torchclip's call on one thread, timed in the same rounds, and torchclip /
-    # that (over 1: slower on more threads than on one), the paired rounds' median and its 95% interval
+    # --busy, rows on more than one thread: torchclip's call on one thread, timed in twin rounds with it, and
+    # torchclip / that (over 1: slower on more threads than on one), the paired calls' median and its 95% interval
     one_thread_ms: float | None = None
     one_thread_ratio: tuple[float, float, float] | None = None
 
@@ -111,15 +112,9 @@ def run(
             if with_one_thread:
                 timed_fns.append(on_one_thread(c.torchclip))
             one_thread = len(timed_fns) - 1
-            samples = []
-            timings = interleave(
-                timed_fns,
-                rounds,
-                warmup,
-                c.prepare,
-                sync,
-                samples_out=samples if with_exact or with_one_thread else None,
-            )
+            twins = ([(4, 2)] if with_exact else []) + ([(2, one_thread)] if with_one_thread else [])
+            paired = []
+            timings = interleave(timed_fns, rounds, warmup, c.prepare, sync, twins=twins, twins_out=paired)
             t_torch, t_no_foreach, t_clip, t_bound = (median for median, _ in timings[:4])
             bytes_moved = g.flat.numel() * g.flat.element_size() * c.passes
             rows.append(
@@ -140,9 +135,9 @@ def run(
                     max(s for _, s in timings),
                     device,
                     timings[4][0] if with_exact else None,
-                    ratio_interval(samples[4], samples[2]) if with_exact else None,
+                    ratio_interval(*paired[0]) if with_exact else None,
                     timings[one_thread][0] if with_one_thread else None,
-                    ratio_interval(samples[2], samples[one_thread]) if with_one_thread else None,
+                    ratio_interval(*paired[-1]) if with_one_thread else None,
                 )
             )
             g.reset()
@@ -176,7 +171,7 @@ def with_exact_norms(call):
 
 def on_one_thread(call):
     """`call` on one thread (torch.set_num_threads(1)), the thread count as it was after: beside a busy neighbour,
-    what the same call costs without a second thread, timed in the same rounds as the call on more."""
+    what the same call costs without a second thread, timed in twin rounds with the call on more."""
 
     def one_thread_call():
         threads = torch.get_num_threads()
@@ -283,8 +278,8 @@ def parse_args(argv):
         "--rounds",
         type=int,
         default=None,
-        help="timed rounds per candidate (default 15; 5 with --quick); with --exact, rounded up to a multiple of 10, "
-        "so that the exact call and today's follow every candidate equally often",
+        help="timed rounds per candidate (default 15; 5 with --quick); with --exact or --busy's one-thread call, "
+        "rounded up to whole designs of twin rounds (20 rounds for five calls), whose calls pair after the same calls",
     )
     parser.add_argument(
         "--device",
@@ -338,7 +333,7 @@ def parse_args(argv):
         "--exact",
         action="store_true",
         help="also time torchclip with exact norms (torchclip.set_exact_norm) on the rows that take a norm: "
-        "columns exact ms and exact x (exact / torchclip: the median of the rounds' paired ratios and its 95%% "
+        "columns exact ms and exact x (exact / torchclip: the median of the twin rounds' paired ratios and its 95%% "
         "interval; across processes: bench/compare_builds.py --exact)",
     )
     parser.add_argument(

@@ -99,14 +99,15 @@ def markdown_page(rows, table: str, header: str, command: str, plot_path: str | 
     if any(getattr(r, "exact_ms", None) is not None for r in rows):
         lines[-1:-1] = [
             "exact ms is torchclip's call with exact norms (`exact=True`), timed in the same rounds; exact x =",
-            "exact / torchclip, the median of the rounds' paired ratios and its 95% bootstrap interval (one process;",
-            "bench/compare_builds.py --exact gives the interval over fresh processes).",
+            "exact / torchclip, the median of the ratios of calls paired in twin rounds (each after the same calls)",
+            "and its 95% bootstrap interval (one process; bench/compare_builds.py --exact gives the interval over",
+            "fresh processes).",
         ]
     if any(getattr(r, "one_thread_ms", None) is not None for r in rows):
         lines[-1:-1] = [
             "1 thr ms is torchclip's call on one thread, timed in the same rounds beside the busy neighbour (--busy);",
-            "x 1 thr = torchclip / 1 thr, the median of the rounds' paired ratios and its 95% bootstrap interval (over",
-            "1: slower on more threads than on one).",
+            "x 1 thr = torchclip / 1 thr, the median of the ratios of calls paired in twin rounds and its 95%",
+            "bootstrap interval (over 1: slower on more threads than on one).",
         ]
     if plot_path:
         lines += [f"![speed-up and fraction of the bound]({os.path.basename(plot_path)})", ""]

@@ -99,33 +99,54 @@ def balanced_orders(n):
     return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
 
 
-def whole_designs(rounds, candidates):
-    """`rounds` rounded up to whole balanced designs of that many candidates (balanced_orders' rows): only a whole
-    design has each candidate follow each other equally often, which ratios paired round by round need. With the
-    five candidates of `--exact` and 7 rounds, the exact call and today's followed different calls, and exact /
-    today on 10,000 x 100 (float32, 2 AMD EPYC cores, compare_builds.py --exact, 12 runs) read 1.409
-    (1.146-1.475); with 10 rounds, one design, 1.090 (1.066-1.122)."""
-    rows = len(balanced_orders(candidates))
-    return -(-rounds // rows) * rows
+def twin_rounds(orders, twins):
+    """The rounds of one design with twins: each of `orders` followed, for each pair (a, b) of `twins`, by its twin,
+    the same order with a and b swapped. In a round and its twin, a's call and b's stand at the same place after
+    the same calls (a and b swapped among them), so their times differ by a and b alone, not by what ran before.
+    Each (order, pair or None)."""
+    rounds = []
+    for order in orders:
+        rounds.append((order, None))
+        for a, b in twins:
+            rounds.append(([b if c == a else a if c == b else c for c in order], (a, b)))
+    return rounds
 
 
-def interleave(candidates, rounds, warmup, prepare=None, sync=no_sync, samples_out=None):
+def interleave(candidates, rounds, warmup, prepare=None, sync=no_sync, twins=(), twins_out=None):
     """Medians and spreads (IQR / median) of each candidate, run in balanced_orders(), one order per
-    round in turn; prepare() runs untimed before each call. samples_out, where given, receives each
-    candidate's times in round order (round r of two candidates ran close together: pair them), and the
-    rounds are then whole designs (whole_designs)."""
+    round in turn; prepare() runs untimed before each call.
+
+    twins: pairs (a, b) of candidates whose times are compared call by call (twin_rounds: each round followed by
+    its twin for each pair); `rounds` is then rounded up to whole designs, and twins_out receives, per pair, the
+    two lists of paired times (a's, b's): a's call in a round with b's at its place in the twin, and b's with a's.
+    A call that opens a round is not paired: it follows the round before, which differs between the two. What ran
+    before a call changes its time, and calls paired within one round, or medians, compare calls after different
+    ones (docs/performance.md, "Twin rounds")."""
     for _ in range(warmup):
         for fn in candidates:
             timed(fn, prepare, sync)
+    schedule = twin_rounds(balanced_orders(len(candidates)), twins)
+    if twins:
+        rounds = -(-rounds // len(schedule)) * len(schedule)
     samples = [[] for _ in candidates]
-    orders = balanced_orders(len(candidates))
-    if samples_out is not None:
-        rounds = whole_designs(rounds, len(candidates))
+    at = [{} for _ in range(rounds)]  # per round, each candidate's time
     for r in range(rounds):
-        for i in orders[r % len(orders)]:
-            samples[i].append(timed(candidates[i], prepare, sync))
-    if samples_out is not None:
-        samples_out.extend(list(s) for s in samples)
+        for i in schedule[r % len(schedule)][0]:
+            at[r][i] = timed(candidates[i], prepare, sync)
+            samples[i].append(at[r][i])
+    if twins_out is not None:
+        group = 1 + len(twins)  # (twin_rounds: an order, then its twins)
+        for j, (a, b) in enumerate(twins):
+            firsts, seconds = [], []
+            for original in range(0, rounds, group):
+                order, twin = schedule[original % len(schedule)][0], at[original + 1 + j]
+                if order.index(a) != 0:  # (a opens neither the original nor, as b, the twin)
+                    firsts.append(at[original][a])
+                    seconds.append(twin[b])
+                if order.index(b) != 0:
+                    firsts.append(twin[a])
+                    seconds.append(at[original][b])
+            twins_out.append((firsts, seconds))
     out = []
     for s in samples:
         s = sorted(s)
