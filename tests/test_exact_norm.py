@@ -276,14 +276,20 @@ def test_long_spans_walked_block_by_block(exact, dtype, norm_type):
     # bounds are then read on their own. Spans starting at a page, so no short first block: 15, 16 and 17 whole
     # blocks, around where a span's blocks are read as two streams (an odd one left for the end). And one value far
     # below its block's, 24 values into a block from a page: in the vectors a checked loop adds into its second set
-    # of sums, where it keeps more than one (AVX2), whose smallest values the check must see as well.
+    # of sums, where it keeps more than one (AVX2), whose smallest values the check must see as well. And a block
+    # with a zero and a value far below the block's others in the same lane of the checked loops, a block of zeros,
+    # and a block with a zero and such a value in lanes of their own.
     scales = torch.exp2(torch.randint(-12, 4, (48,), generator=torch.Generator().manual_seed(5)).double())
     base = (make_tensor((48 * 1024,), torch.float64, seed=3) * scales.repeat_interleave(1024)).to(dtype)
     base[5000:6000] = 0
     if dtype == torch.float32:
         base[9 * 1024 + 17] = 2.0**-40
     at_page = (-base.data_ptr() % 4096) // base.element_size()
-    base[at_page + 11 * 1024 + 24] = 2.0**-24 if dtype == torch.float16 else 2.0**-40
+    tiny = 2.0**-24 if dtype == torch.float16 else 2.0**-40
+    base[at_page + 11 * 1024 + 24] = tiny
+    base[at_page + 12 * 1024 + 100], base[at_page + 12 * 1024 + 164] = -0.0, tiny  # (164: 100's lane on every ISA)
+    base[at_page + 13 * 1024 : at_page + 14 * 1024] = 0
+    base[at_page + 14 * 1024 + 37], base[at_page + 14 * 1024 + 301] = 0.0, -tiny  # (in lanes of their own)
     spans = [
         base[offset : offset + n]
         for offset, n in [
@@ -492,10 +498,19 @@ def test_nan_and_inf(exact):
 def test_a_nan_or_inf_in_a_checked_block_is_seen(exact, dtype, norm_type):
     # The runs that check their sums after a block (no bounds pass reads it first) see a NaN or inf only in their
     # lanes: one at a block's start, middle and end, in a span's first and later whole blocks, and beside values
-    # whose own runs would take them, for each tensor and the total.
-    for where, bad in [(8192, math.nan), (8192 + 511, math.inf), (2 * 8192 - 1, -math.inf), (12 * 1024 + 7, math.nan)]:
+    # whose own runs would take them, for each tensor and the total. And whole blocks (from a block's edge in
+    # memory, read once) of infs, of infs among zeros (their smallest non-zero magnitude is inf), and of NaNs.
+    ones = [(8192, math.nan), (8192 + 511, math.inf), (2 * 8192 - 1, -math.inf), (12 * 1024 + 7, math.nan)]
+    blocks = [(8, 1, -math.inf), (4, 3, math.inf), (9, 1, math.nan)]  # (which whole block, every how many, what)
+    for where, every, bad in [(where, None, bad) for where, bad in ones] + blocks:
         x = torch.randn(16 * 1024 + 100, generator=torch.Generator().manual_seed(where)).to(dtype)
-        x[where] = bad
+        if every is None:
+            x[where] = bad
+        else:
+            edge = (-x.data_ptr() % (1024 * x.element_size())) // x.element_size()
+            block = x[edge + where * 1024 : edge + (where + 1) * 1024]
+            block.zero_()
+            block[::every] = bad
         clean = torch.randn(9 * 1024, generator=torch.Generator().manual_seed(1)).to(dtype)
         total, per_tensor = _ops.multi_tensor_norm([clean, x], norm_type)
         expected = math.nan if math.isnan(bad) else math.inf

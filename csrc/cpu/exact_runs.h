@@ -93,7 +93,8 @@ class PlainRun {
   // at the end was exact all along, and so was its sum with the run's lane (both multiples of 2^lowest_bit); a NaN or
   // inf fails the check (one register test of the four vectors' comparisons, simd::any_lane). A block the run cannot
   // take flushes it into `out` and starts a fresh one, its lanes kept rather than summed again; returns false, none
-  // of the block added (the run flushed where it could not take it), where the block alone fails the check.
+  // of the block added (the run flushed where it could not take it), where the block alone fails the check or holds no
+  // finite non-zero value (infs among zeros, whose smallest non-zero magnitude is inf: it was once taken for zeros).
   // kAsksIntoL2: TermSums::add_checked_blocks_asking's comment.
   //
   // The run's lowest bit is a floor that blocks keep: one whose non-zero values all lie at or above floor_bits is
@@ -132,6 +133,9 @@ class PlainRun {
         block[j] += sets[set][j];
       }
     }
+    if (!any_lane((block[0] != 0.0) | (block[1] != 0.0) | (block[2] != 0.0) | (block[3] != 0.0))) {
+      return true;  // (zeros only, which add nothing: a NaN or inf is not 0, and no other term is)
+    }
     if (!empty()) {
       int lowest_bit = lowest_bit_;
       if (smallest.any_below(floor_bits<kKind, T>(lowest_bit_))) {
@@ -146,9 +150,9 @@ class PlainRun {
       }
       flush(out);  // (full, or its lowest bit lowered below what its lanes allow)
     }
-    const double least = smallest.result().smallest;
-    if (least == std::numeric_limits<double>::infinity()) {
-      return true;  // (zeros: nothing to add)
+    const double least = smallest.result().smallest;  // (inf where every non-zero value is one)
+    if (!(least < std::numeric_limits<double>::infinity())) {
+      return false;  // (infs among zeros, or NaNs: the block's own bounds tell them, on the way the caller takes next)
     }
     const int lowest_bit =
         std::min(lowest_term_bit<kKind, T>(least), binade_end(largest_lane(block)) - 53 + kFreshRoomBits);
