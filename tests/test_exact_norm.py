@@ -202,7 +202,7 @@ def runs_at_their_bounds(dtype, norm_type, seed):
     else:
         large = 2 - eps * torch.randint(1, 4, (4096,), generator=generator).double()  # |x| < 2, squares < 4
     blocks = []
-    for exponent in range(-4, -44, -1):
+    for exponent in range(-4, -52, -1):  # (float32 squares: past the quanta run's floor, 2^(top - 43 - 48))
         small = (1 + eps) * 2.0**exponent  # its last bit set: 2^(exponent - mantissa bits)
         if small < torch.finfo(dtype).smallest_normal:
             break
