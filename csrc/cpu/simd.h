@@ -238,9 +238,6 @@ inline f32v load_f32(const c10::BFloat16* p) {
   return (f32v)(load_u16_widened(p) << 16);
 }
 
-// 2 * kBlock bfloat16 values at p as two float32 vectors, those at even and at odd positions: one full-width load,
-// a shift and a mask, where two load_f32 take two widening loads (on the shuffle port) and two shifts. Only for
-// sums whose order does not matter (the exact kernels).
 // A half-width float32 vector widened to float64.
 inline f64v half_to_f64(f32half half) {
 #if defined(__AVX512F__)
@@ -253,8 +250,10 @@ inline f64v half_to_f64(f32half half) {
 }
 
 // The 2 * kBlock bfloat16 values at p (their magnitudes where kMagnitudes) as four float64 vectors: each half of the
-// data, read as a half-width vector, split into its even and odd values as float32 (a shift, a mask) and widened
-// straight from there, so that no convert waits on an extract of a full vector's upper half (load_f64_halves' reason).
+// data, read as a half-width vector, split into its even and odd values as float32 (a shift, a mask: two load_f32
+// would take two widening loads, on the shuffle port, and two shifts) and widened straight from there, so that no
+// convert waits on an extract of a full vector's upper half (load_f64_halves' reason). Only for sums whose order does
+// not matter (the exact kernels): the values come out of order.
 // The exact norm's plain run, on 2 AMD EPYC cores (Zen 4, AVX-512), where full-width vectors were split and their
 // upper halves extracted: 1M values in L3, one thread, 0.106-0.108 -> 0.096-0.098 ns an element; GPT-2 bfloat16's
 // exact norm 0.911 (0.894-0.932) of the time on one thread, ResNet-50's 0.916 (0.882-0.936), on two 1.007
