@@ -13,12 +13,13 @@ on both alike. A pair gives each row one ratio, candidate / baseline (each the m
 rounds); the table gives the median ratio over the pairs and its 95% bootstrap interval
 (torchclip/bench/intervals.py).
 A row meets --bar when the interval's upper end is under it. With --exact there is no baseline: every run is
-`torchclip-bench --exact` of the candidate, and its ratio is that run's own exact / today: the median of its
-calls paired in twin rounds (an exact call with today's at the same place after the same calls; timing.interleave),
-not the ratio of its medians, which compares calls after different ones; the runs are the pairs. With --step (torchclip-bench --step: what clipping adds to an optimizer
-step), each run's own figure is the reads the folded clip adds (its rows' "torchclip added"), so the table gives
-each build's median and interval of those, a row meeting --bar when the candidate's upper end is under it, and,
-with a baseline, the candidate / baseline ratio of the clipped step's time.
+`torchclip-bench --exact` of the candidate, and its ratio is that run's own exact / today: the median of its calls
+paired in twin rounds (an exact call with today's at the same place after the same calls; timing.interleave), not
+the ratio of its medians, which compares calls after different ones; the runs are the pairs. With --step
+(torchclip-bench --step: what clipping adds to an optimizer step), each run's own figure is the reads the folded
+clip adds (its rows' "torchclip added"), so the table gives each build's median and interval of those, a row meeting
+--bar when the candidate's upper end is under it, and, with a baseline, the candidate / baseline ratio of the
+clipped step's time.
 
 --instructions adds each row's instructions per call under callgrind (bench/instructions.py; one run per row and
 build, AVX2 kernels), which no neighbour disturbs: the measure that settles rows bound by host work.

@@ -325,7 +325,7 @@ class QuantaRun {
       for (int lane = 0; lane < kBlock64; ++lane) {
         count += quanta[lane];
       }
-      int64_t rest = 0;  // (each lane's below 2^(kRunBits + kRestBits - kBlockLaneBits - 1) = 2^55 or less)
+      int64_t rest = 0;  // (a run's 8,192 remainders, each at most 2^(kRestBits - 1) units: below 2^60)
       for (int lane = 0; lane < kBlock64; ++lane) {
         rest += rest_counts_[lane];
       }

@@ -100,15 +100,14 @@ def balanced_orders(n):
 
 
 def twin_rounds(orders, twins):
-    """The rounds of one design with twins: each of `orders` followed, for each pair (a, b) of `twins`, by its twin,
-    the same order with a and b swapped. In a round and its twin, a's call and b's stand at the same place after
-    the same calls (a and b swapped among them), so their times differ by a and b alone, not by what ran before.
-    Each (order, pair or None)."""
+    """The rounds of one design with twins: each of `orders` followed, for each pair (a, b) of `twins` in turn, by its
+    twin, the same order with a and b swapped. In a round and its twin, a's call and b's stand at the same place after
+    the same calls (a and b swapped among them), so their times differ by a and b alone, not by what ran before."""
     rounds = []
     for order in orders:
-        rounds.append((order, None))
+        rounds.append(order)
         for a, b in twins:
-            rounds.append(([b if c == a else a if c == b else c for c in order], (a, b)))
+            rounds.append([b if c == a else a if c == b else c for c in order])
     return rounds
 
 
@@ -131,7 +130,7 @@ def interleave(candidates, rounds, warmup, prepare=None, sync=no_sync, twins=(),
     samples = [[] for _ in candidates]
     at = [{} for _ in range(rounds)]  # per round, each candidate's time
     for r in range(rounds):
-        for i in schedule[r % len(schedule)][0]:
+        for i in schedule[r % len(schedule)]:
             at[r][i] = timed(candidates[i], prepare, sync)
             samples[i].append(at[r][i])
     if twins_out is not None:
@@ -139,7 +138,7 @@ def interleave(candidates, rounds, warmup, prepare=None, sync=no_sync, twins=(),
         for j, (a, b) in enumerate(twins):
             firsts, seconds = [], []
             for original in range(0, rounds, group):
-                order, twin = schedule[original % len(schedule)][0], at[original + 1 + j]
+                order, twin = schedule[original % len(schedule)], at[original + 1 + j]
                 if order.index(a) != 0:  # (a opens neither the original nor, as b, the twin)
                     firsts.append(at[original][a])
                     seconds.append(twin[b])
