@@ -249,9 +249,13 @@ class BitsBounds {
   // Whether a non-zero value taken lies below `floor` (as magnitude bits).
   bool any_below(Bits floor) const { return any_lane(min_less_one_ < splat<BitsV>(static_cast<Bits>(floor - 1))); }
 
-  // The bounds of what was taken and of the `count` values at `rest` (fewer than a vector's).
+  // The bounds of what was taken and of the `count` values at `rest` (fewer than a vector's); the largest 0 where
+  // not taken (the plain run folds a smallest after every fourth block or so: no fold of the largest beside it).
   MagnitudeBounds result(const T* rest = nullptr, int64_t count = 0) const {
-    Bits largest = fold_lanes(max_bits_, [](BitsV a, BitsV b) { return a > b ? a : b; });
+    Bits largest = 0;
+    if constexpr (kTakesLargest) {
+      largest = fold_lanes(max_bits_, [](BitsV a, BitsV b) { return a > b ? a : b; });
+    }
     Bits smallest_less_one = fold_lanes(min_less_one_, [](BitsV a, BitsV b) { return a < b ? a : b; });
     for (int64_t k = 0; k < count; ++k) {
       Bits bits;
