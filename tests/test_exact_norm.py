@@ -502,21 +502,23 @@ def test_a_nan_or_inf_in_a_checked_block_is_seen(exact, dtype, norm_type):
     # memory, read once) of infs, of infs among zeros (their smallest non-zero magnitude is inf), and of NaNs.
     ones = [(8192, math.nan), (8192 + 511, math.inf), (2 * 8192 - 1, -math.inf), (12 * 1024 + 7, math.nan)]
     blocks = [(8, 1, -math.inf), (4, 3, math.inf), (9, 1, math.nan)]  # (which whole block, every how many, what)
-    for where, every, bad in [(where, None, bad) for where, bad in ones] + blocks:
-        x = torch.randn(16 * 1024 + 100, generator=torch.Generator().manual_seed(where)).to(dtype)
-        if every is None:
-            x[where] = bad
-        else:
-            edge = (-x.data_ptr() % (1024 * x.element_size())) // x.element_size()
-            block = x[edge + where * 1024 : edge + (where + 1) * 1024]
-            block.zero_()
-            block[::every] = bad
-        clean = torch.randn(9 * 1024, generator=torch.Generator().manual_seed(1)).to(dtype)
-        total, per_tensor = _ops.multi_tensor_norm([clean, x], norm_type)
-        expected = math.nan if math.isnan(bad) else math.inf
-        for got in (total.item(), per_tensor[1].item()):
-            assert math.isnan(got) if math.isnan(expected) else got == expected, (where, got)
-        assert per_tensor[0].item() == exact_norm([clean], norm_type)
+    for threads in (1, 2):  # (two threads cut the span into pieces: its whole blocks are read once either way)
+        torch.set_num_threads(threads)
+        for where, every, bad in [(where, None, bad) for where, bad in ones] + blocks:
+            x = torch.randn(16 * 1024 + 100, generator=torch.Generator().manual_seed(where)).to(dtype)
+            if every is None:
+                x[where] = bad
+            else:
+                edge = (-x.data_ptr() % (1024 * x.element_size())) // x.element_size()
+                block = x[edge + where * 1024 : edge + (where + 1) * 1024]
+                block.zero_()
+                block[::every] = bad
+            clean = torch.randn(9 * 1024, generator=torch.Generator().manual_seed(1)).to(dtype)
+            total, per_tensor = _ops.multi_tensor_norm([clean, x], norm_type)
+            expected = math.nan if math.isnan(bad) else math.inf
+            for got in (total.item(), per_tensor[1].item()):
+                assert math.isnan(got) if math.isnan(expected) else got == expected, (where, got)
+            assert per_tensor[0].item() == exact_norm([clean], norm_type)
 
 
 def test_tensors_atens_path_would_take_are_exact_too(exact):
