@@ -562,17 +562,20 @@ def intel_cpu() -> bool:
         return any(line.split(":")[-1].strip() == "GenuineIntel" for line in cpuinfo if line.startswith("vendor_id"))
 
 
+# The tests that hold the kernels to the oracle, run again where a setting takes other paths.
+ORACLE_TESTS = (
+    "true_norm_rounded_once or wide_dynamic_range or runs_across_blocks or runs_stop_at_their_bounds"
+    " or below_the_run_floor or long_spans or small_spans_gathered or views_end_to_end or copied_blocks"
+    " or a_nan_or_inf_in_a_checked_block or subnormals_count"
+)
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="the CPU's vendor is read from /proc/cpuinfo")
 def test_the_other_vendors_paths_are_exact_too():
     """The kernels choose some loops by the CPU's vendor (simd::intel_cpu: how far to ask ahead, float32 squares in
     512-bit or 256-bit lanes): the oracle tests again with the paths of the vendor this CPU is not."""
-    oracle_tests = (
-        "true_norm_rounded_once or wide_dynamic_range or runs_across_blocks or runs_stop_at_their_bounds"
-        " or below_the_run_floor or long_spans or small_spans_gathered or views_end_to_end or copied_blocks"
-        " or a_nan_or_inf_in_a_checked_block"
-    )
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", oracle_tests],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", ORACLE_TESTS],
         capture_output=True,
         text=True,
         cwd=os.path.dirname(__file__),
@@ -580,6 +583,45 @@ def test_the_other_vendors_paths_are_exact_too():
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+def test_without_the_inexact_flag_the_other_runs_are_exact_too():
+    """The plain run checks its sums by the processor's inexact flag (cpu/inexact_flag.h), and takes nothing where an
+    addition that rounds does not raise it (valgrind); TORCHCLIP_INEXACT_FLAG=off has it so here: the oracle tests
+    again, every block on the quanta run or the levels."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", ORACLE_TESTS],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(__file__),
+        env={**os.environ, "TORCHCLIP_INEXACT_FLAG": "off"},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+@pytest.mark.parametrize("norm_type", ORDERS)
+def test_subnormals_count_where_torch_flushes_them_and_the_setting_stays(exact, norm_type):
+    """torch.set_flush_denormal(True) sets the processor to read subnormal operands as 0 (DAZ), which would drop
+    them in the kernels' conversions to float64: the exact kernels run under a state of their own and put the
+    caller's back."""
+    generator = torch.Generator().manual_seed(5)
+    tensors = []
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        # Whole blocks of subnormals (the runs take them: a narrow range), then the dtype's whole range (the levels).
+        subnormals = torch.rand(5000, generator=generator, dtype=torch.float64) * torch.finfo(dtype).smallest_normal
+        tensors += [(subnormals * (torch.randint(0, 2, (5000,), generator=generator) * 2 - 1)).to(dtype)]
+        tensors += [wide_range(dtype, 3000, seed=5)]
+    assert all(t.count_nonzero() > 0 for t in tensors)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        _, per_tensor = _ops.multi_tensor_norm(tensors, norm_type)
+        still_flushed = (torch.tensor([1e-310], dtype=torch.float64) * 1.0).item()
+    finally:
+        torch.set_flush_denormal(False)
+    assert [n.item() for n in per_tensor] == [exact_norm([t], norm_type) for t in tensors]
+    assert still_flushed == 0.0
 
 
 def test_other_orders_keep_float64_accumulation(exact):

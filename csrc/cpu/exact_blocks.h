@@ -145,9 +145,10 @@ double from_bits(StorageBits<T> bits) {
 }
 
 // How the blocks come from memory. A long span's whole blocks of 16-bit values, or of float32 values squared, are
-// each read once (TermSums::add_checked_blocks): the loop that adds a block's terms takes its smallest magnitude
-// too, and the run checks its lanes after, where it used to bound the block in a pass of its own first (its
-// largest magnitude is what the check stands in for). On 2 AMD EPYC cores (AVX2), build against build
+// each read once (TermSums::add_checked_blocks): the run adds a block's terms and checks its sums after (the plain
+// run by the inexact flag; the quanta run's loop takes the block's smallest magnitude too, and checks its lanes),
+// where it used to bound the block in a pass of its own first (its largest magnitude is what the check stands in
+// for). On 2 AMD EPYC cores (AVX2), build against build
 // (`bench/compare_builds.py`, 10 pairs): bfloat16's exact norm took 0.818 (0.741-0.978) of the time on GPT-2,
 // 0.754 (0.731-0.804) on ResNet-50, 0.709 (0.660-0.790) on 2,000 x 64x64, where each block was bounded first, four
 // streams side by side; float32's 0.919 (0.890-1.005), 0.947 (0.875-1.137) and 0.863 (0.804-0.944) against the
@@ -250,7 +251,7 @@ class BitsBounds {
   bool any_below(Bits floor) const { return any_lane(min_less_one_ < splat<BitsV>(static_cast<Bits>(floor - 1))); }
 
   // The bounds of what was taken and of the `count` values at `rest` (fewer than a vector's); the largest 0 where
-  // not taken (the plain run folds a smallest after every fourth block or so: no fold of the largest beside it).
+  // not taken (the quanta run's checked loop asks for the smallest alone: no fold of the largest beside it).
   MagnitudeBounds result(const T* rest = nullptr, int64_t count = 0) const {
     Bits largest = 0;
     if constexpr (kTakesLargest) {

@@ -7,12 +7,12 @@
 // its smallest non-zero one, below whose last bit no term's last bit lies) and joins one of two runs of up to
 // kRunTerms (2^13) terms, summed in float64 lanes and handed to the ExactSum only when a block cannot join or
 // the run is full. A long span's whole blocks of 16-bit values or float32 squares are read once instead: the
-// run adds the terms and takes the smallest magnitude in one loop, then checks its lanes for what the largest
-// would have told it (add_checked), and a block that fails is bounded and joins as any other:
-// - the plain run adds the terms as they are: exact while each of its float64 lanes stays below 2^53 times
-//   the lowest last bit, which it checks (the terms are not negative): squares of bfloat16 values spanning up
-//   to about 2^15, of float16 values about 2^12; magnitudes spanning about 2^38 (bfloat16), 2^35 (float16),
-//   2^22 (float32);
+// run adds the terms, then checks that they were exact (add_checked), and a block that fails is bounded and joins
+// as any other:
+// - the plain run adds the terms as they are, exact while none of its additions rounds, which the processor's
+//   inexact flag tells it (inexact_flag.h): a lane holds squares of bfloat16 values spanning about 2^15, of float16
+//   values about 2^12, magnitudes spanning about 2^38 (bfloat16), 2^35 (float16), 2^22 (float32), fewer the more
+//   terms it holds;
 // - the quanta run adds each term as q + r: q the term rounded to a multiple of the quantum 2^(top - 43),
 //   in a lane biased by 2^(52 + top - 43), whose last bit is that quantum, so the rounding is the addition
 //   itself and the lane's mantissa bits count its quanta; r = term - q, |r| <= half a quantum, in a plain
@@ -33,6 +33,7 @@
 
 #include "exact_blocks.h"
 #include "exact_runs.h"
+#include "inexact_flag.h"
 #include "kernels.h"
 #include "multi_tensor.h"
 #include "simd.h"
@@ -145,11 +146,13 @@ class TermSums {
   // and the L1 asks gained as much (the figures above kCheckedPrefetchBytes, in exact_blocks.h).
   template <bool kAsksIntoL2, typename T>
   void add_checked_blocks_asking(const T* x, int64_t blocks) {
+    clear_inexact();  // (PlainRun::add_checked's precondition; the other runs raise it)
     const auto add_block = [&](const T* block) {
       if (!add_checked<kAsksIntoL2>(block)) {
-        // (a 16-bit block a fresh plain run refused: add's would sum it again, against the same bound)
+        // (a 16-bit block a fresh plain run refused: it rounds alone, and add's would find that again)
         add_bounded(block, kExactBlock, magnitude_bounds(block, kExactBlock), InPlace(),
             /*tries_plain=*/!kChecksPlain<T>);
+        clear_inexact();
       }
     };
     if (blocks < kTwoStreamsFrom) {
@@ -392,7 +395,7 @@ void exact_norms_of(const TensorSpan* spans, int64_t count, double* norms, Exact
   std::vector<TermSums<kKind>> per_thread(at::get_num_threads(), TermSums<kKind>(norms == nullptr));
   ExactPartial all;
   if (norms == nullptr) {  // the total alone
-    parallel_for_pieces(plan, spans, [&](const Piece& piece) {
+    parallel_for_pieces<ExactFloatState>(plan, spans, [&](const Piece& piece) {
       add_piece(per_thread[ItemPool::taker()], spans[piece.tensor], piece.begin, piece.end);
     });
   } else {
@@ -406,7 +409,7 @@ void exact_norms_of(const TensorSpan* spans, int64_t count, double* norms, Exact
       }
     }
     std::vector<ExactPartial> pieces(slots);
-    parallel_for_pieces(plan, spans, [&](const Piece& piece) {
+    parallel_for_pieces<ExactFloatState>(plan, spans, [&](const Piece& piece) {
       TermSums<kKind> sums(false);
       add_piece(sums, spans[piece.tensor], piece.begin, piece.end);
       const ExactPartial& partial = sums.finish();
@@ -438,6 +441,7 @@ void exact_norms_of(const TensorSpan* spans, int64_t count, double* norms, Exact
       }
     }
   }
+  const ExactFloatState state;  // (the runs' last flushes)
   for (TermSums<kKind>& sums : per_thread) {
     all.add(sums.finish());
   }

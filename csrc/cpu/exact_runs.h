@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "exact_blocks.h"
+#include "inexact_flag.h"
 #include "simd.h"
 
 namespace torchclip::cpu {
@@ -17,40 +18,44 @@ namespace {
 
 using namespace simd;
 
-// Terms added as they are, in four vectors of float64 lanes (four, so the additions' latency overlaps). Every
-// term is a multiple of 2^lowest_bit_ and not negative, so each lane's sum only grows and is exact while it stays
-// below 2^(lowest_bit_ + 53); flush hands the lanes to the ExactSum as one integer count of 2^lowest_bit_ (no
-// float64 total, which would round). The bound holds a priori where the most terms one lane holds times 2^top is
-// below it. A block within kHopefulBits of it is added and the lanes checked, and not kept if one
-// fails: a lane sums about 2^3.5 under that bound for Gaussian squares. Bounding each lane rather than their
-// total gives a run 5 more bits (4 with AVX2), so that fewer bfloat16 blocks fail to join (summed twice) or go to
-// the quanta run: GPT-2 bfloat16's exact norm took 0.936 (0.843-0.952) of the time bounded by the total, ResNet-50's
-// 0.911 (0.771-0.967) (`bench/compare_builds.py`, 12 pairs, AVX-512; AVX2 0.908 and 0.855).
+// Terms added as they are, in four vectors of float64 lanes (four, so the additions' latency overlaps), checked after
+// the fact by the processor's inexact flag (inexact_flag.h): the lanes are exact sums while no addition into them
+// rounded. A block is added into the run's lanes as they stand; where an addition rounded, the block is taken back
+// (the lanes in memory are the run before it), the run flushed, and the block summed into a fresh run, and refused
+// where it rounds alone. A NaN or inf adds without rounding and stays in its lane, for flush to report.
+//
+// The flag replaced bounds the run kept of its terms: the smallest non-zero magnitude of every 16-bit value (three
+// operations a vector in the checked loop, beside ten that sum), the lowest bit and top they gave, and a check of
+// every lane against them after each block, which refused sums that had not rounded (a lane's bound a priori, 2^53
+// times the lowest bit any term could have). 1M values in L3, one thread, 2 AMD EPYC cores (Zen 4): bfloat16 0.096 ->
+// 0.0855 ns an element with AVX-512, 0.118-0.124 -> 0.113 with AVX2; float16 0.119 -> 0.112 and 0.114 -> 0.108. Build
+// against build (`TORCHCLIP_EXACT_NORM=1 bench/compare_builds.py`, 10 pairs, AVX-512): GPT-2 bfloat16's exact norm
+// took 0.905 (0.888-0.915) of the time on one thread, ResNet-50's 0.892 (0.818-0.907), float16's 0.939 and 0.946;
+// on two threads, bound by memory more than by the loop, 0.96-1.00 (every interval but GPT-2 float16's across 1).
+// What is left of the loop is its conversions to float64: on these cores a 512-bit vcvtps2pd issues every other
+// cycle, so the four a 64-byte step takes cost 8 cycles, its four fused multiply-adds 4 (docs/performance.md, "The
+// inexact flag as the plain run's check", has the harness's figures and the widenings tried instead).
 template <NormKind kKind>
 class PlainRun {
  public:
+  // A block whose own bounds leave its lanes more than this many bits over 53 is not tried (add): it would round.
   static constexpr int kHopefulBits = 6;
-  static constexpr int kFreshRoomBits = 10;  // (add_checked's comment)
 
   bool empty() const { return terms_ == 0; }
 
   // Adds the block and returns true, or leaves the run as it was and returns false (`next`: BlockLies' comment).
   template <typename T, typename Ahead>
   bool add(const T* x, int64_t vectors, const TermRange& range, Ahead& next) {
-    if (!empty() && top_from_sums_) {
-      top_ = binade_end(largest_lane(sums_));  // (every term is at most its lane)
-      top_from_sums_ = false;
-    }
-    const int top = empty() ? range.top : std::max(top_, range.top);
-    const int lowest_bit = empty() ? range.lowest_bit : std::min(lowest_bit_, range.lowest_bit);
-    const int64_t terms = terms_ + vectors;
     // (a lane takes one term of each 4 kBlock64, and one more from a block's tail of half that: ceil)
-    const int64_t lane_terms = lane_terms_ + (vectors + 4 * kBlock64 - 1) / (4 * kBlock64);
-    const int bound_bits = top + count_bits(lane_terms) - lowest_bit;
-    if (terms > kRunTerms || bound_bits > 53 + kHopefulBits) {
+    const int64_t lane_terms = (vectors + 4 * kBlock64 - 1) / (4 * kBlock64);
+    if (!inexact_flag_works() || range.top + count_bits(lane_terms) - range.lowest_bit > 53 + kHopefulBits) {
       return false;
     }
+    clear_inexact();
     f64v sums[4] = {sums_[0], sums_[1], sums_[2], sums_[3]};  // (in locals: see QuantaRun::add)
+    for (f64v& sum : sums) {
+      pinned(sum);
+    }
     Ahead ahead = next;
     int64_t i = 0;
     if constexpr (kWidensStraight<T>) {
@@ -76,128 +81,132 @@ class PlainRun {
       }
     }
     next = ahead;  // (the next block's bounds hold whether or not this block stays)
-    if (bound_bits > 53 && !lanes_fit(sums, lowest_bit)) {
+    if (inexact_after(sums[0], sums[1], sums[2], sums[3])) {
       return false;  // (the run's own sums untouched)
     }
     std::copy(sums, sums + 4, sums_);
-    top_ = top;
-    lowest_bit_ = lowest_bit;
-    terms_ = terms;
-    lane_terms_ = lane_terms;
+    terms_ += vectors;
     return true;
   }
 
-  // A whole block of 16-bit values read once (TermSums::add_checked_blocks): its terms added into lanes of its own
-  // and its smallest non-zero magnitude taken in one loop, and the lanes checked after, so that no bounds pass reads
-  // the block first. Every term is a multiple of 2^lowest_bit and not negative, so a lane below 2^(lowest_bit + 53)
-  // at the end was exact all along, and so was its sum with the run's lane (both multiples of 2^lowest_bit); a NaN or
-  // inf fails the check (one register test of the four vectors' comparisons, simd::any_lane). A block the run cannot
-  // take flushes it into `out` and starts a fresh one, its lanes kept rather than summed again; returns false, none
-  // of the block added (the run flushed where it could not take it), where the block alone fails the check or holds no
-  // finite non-zero value (infs among zeros, whose smallest non-zero magnitude is inf: it was once taken for zeros).
+  // A whole block of 16-bit values read once (TermSums::add_checked_blocks), added into the run's lanes and checked
+  // after by the flag alone: no bounds are taken of it. A block that rounds in the run flushes the run into `out` and
+  // is summed again into a fresh one; returns false, nothing of the block added, where it rounds alone (the caller
+  // bounds it and finds it a run that takes it). The flag must be down when it is called, and is when it returns: a
+  // read of it on entry too, to lower it, cost 3-4% (1M bfloat16 values in L3: 0.088 against 0.085 ns an element).
   // kAsksIntoL2: TermSums::add_checked_blocks_asking's comment.
-  //
-  // The run's lowest bit is a floor that blocks keep: one whose non-zero values all lie at or above floor_bits is
-  // told so by one comparison of its smallest lanes, and only a block with a value below folds its smallest to lower
-  // the floor. A fresh run sets it below its first block's smallest where its lanes' room allows, as low as leaves
-  // them 2^kFreshRoomBits to grow (Gaussian bfloat16 values: down to 2^-11 of their deviation).
-  //
-  // Summed into the run's lanes, each block folded its smallest and its largest lane, the runs' lowest bit followed
-  // their running smallest down, a run was flushed every 4 or 5 blocks (before a block, with a lane within 2^8 of its
-  // bound) and about 1.5% of blocks were summed twice: the exact bfloat16 norm took 0.897 (0.893-0.927) of that time
-  // on GPT-2, one thread, 0.992 (0.935-1.055) on two; ResNet-50 0.888 (0.849-0.919) and 0.894 (0.847-0.930); 2,000 x
-  // 64x64 0.904 and 0.903 (build against build, `TORCHCLIP_EXACT_NORM=1 bench/compare_builds.py`, 8 pairs, AVX-512).
   template <bool kAsksIntoL2, typename T>
   bool add_checked(const T* x, ExactPartial& out) {
-    static_assert(SmallestBits<T>::kLanes == 2 * kBlock, "one storage vector a step");
-    f64v sets[kCheckedSumSets][4] = {};
-    SmallestBits<T> smallest;
-    for (int64_t i = 0; i < kExactBlock; i += kCheckedSumSets * 2 * kBlock) {
-      for (int set = 0; set < kCheckedSumSets; ++set) {
-        const char* at = reinterpret_cast<const char*>(x + i + set * 2 * kBlock);
-        if constexpr (kAsksIntoL2) {
-          __builtin_prefetch(at + kPrefetchBytes, 0, 1);
-        } else {
-          __builtin_prefetch(at + kCheckedPrefetchBytes, 0, 3);
-        }
-        smallest.take(at);
-      }
-      for (int set = 0; set < kCheckedSumSets; ++set) {
-        add_pair(x + i + set * 2 * kBlock, sets[set]);
-      }
-    }
-    // (each set's lanes are multiples of 2^lowest_bit, not negative: where their sum fits, so did each set, exactly)
-    f64v* const block = sets[0];
-    for (int set = 1; set < kCheckedSumSets; ++set) {
-      for (int j = 0; j < 4; ++j) {
-        block[j] += sets[set][j];
-      }
-    }
-    if (!any_lane((block[0] != 0.0) | (block[1] != 0.0) | (block[2] != 0.0) | (block[3] != 0.0))) {
-      return true;  // (zeros only, which add nothing: a NaN or inf is not 0, and no other term is)
-    }
-    if (!empty()) {
-      int lowest_bit = lowest_bit_;
-      if (smallest.any_below(floor_bits<kKind, T>(lowest_bit_))) {
-        lowest_bit = std::min(lowest_bit_, lowest_term_bit<kKind, T>(smallest.result().smallest));
-      }
-      const f64v sums[4] = {sums_[0] + block[0], sums_[1] + block[1], sums_[2] + block[2], sums_[3] + block[3]};
-      if (lanes_fit(sums, lowest_bit)) {
-        std::copy(sums, sums + 4, sums_);
-        lowest_bit_ = lowest_bit;
-        joined(kExactBlock);
-        return true;
-      }
-      flush(out);  // (full, or its lowest bit lowered below what its lanes allow)
-    }
-    const double least = smallest.result().smallest;  // (inf where every non-zero value is one)
-    if (!(least < std::numeric_limits<double>::infinity())) {
-      return false;  // (infs among zeros, or NaNs: the block's own bounds tell them, on the way the caller takes next)
-    }
-    const int lowest_bit =
-        std::min(lowest_term_bit<kKind, T>(least), binade_end(largest_lane(block)) - 53 + kFreshRoomBits);
-    if (!lanes_fit(block, lowest_bit)) {
+    if (!inexact_flag_works()) {
       return false;
     }
-    std::copy(block, block + 4, sums_);
-    lowest_bit_ = lowest_bit;
-    joined(kExactBlock);
+    if (!sum_block<kAsksIntoL2>(x)) {
+      if (empty()) {
+        return false;
+      }
+      flush(out);
+      clear_inexact();  // (the precondition, whatever the flush's arithmetic did)
+      if (!sum_block<kAsksIntoL2>(x)) {
+        return false;
+      }
+    }
+    terms_ += kExactBlock;
     return true;
   }
 
+  // The lanes into `out`, and a fresh run: as one integer count of the least lane's last bit where the lanes lie within
+  // kFlushSpanBits binades of each other (a block's lanes hold like sums), else lane by lane.
   void flush(ExactPartial& out) {
     if (!empty()) {
-      // Each lane an integer count of 2^lowest_bit_ below 2^53, their sum below 2^58.
-      const double scale = power_of_two(-lowest_bit_);
-      i64v counts = i64v{};
-      for (const f64v& sum : sums_) {
-        counts += __builtin_convertvector(sum * scale, i64v);
+      if (any_lane_not_below(splat<f64v>(std::numeric_limits<double>::infinity()), sums_[0], sums_[1], sums_[2],
+              sums_[3])) {
+        add_non_finite(out);
+      } else {
+        add_finite(out);
       }
-      int64_t count = 0;
-      for (int lane = 0; lane < kBlock64; ++lane) {
-        count += counts[lane];
-      }
-      out.sum.add_scaled(static_cast<unsigned __int128>(count), lowest_bit_, false);
     }
     *this = PlainRun();
   }
 
  private:
-  // A checked block's count into the run: top_ is then asked of the lanes, where add needs it.
-  void joined(int64_t terms) {
-    terms_ += terms;
-    lane_terms_ += terms / (4 * kBlock64);
-    top_from_sums_ = true;
+  static constexpr int kFlushSpanBits = 6;
+
+  // The block's terms added into the run's lanes, which keep them where no addition rounded (true), else stay as
+  // they were. Its vectors go into kCheckedSumSets sets of lanes in turn (that constant's comment).
+  template <bool kAsksIntoL2, typename T>
+  bool sum_block(const T* x) {
+    f64v sets[kCheckedSumSets][4] = {{sums_[0], sums_[1], sums_[2], sums_[3]}};
+    for (f64v(&set)[4] : sets) {
+      for (f64v& sum : set) {
+        pinned(sum);
+      }
+    }
+    for (int64_t i = 0; i < kExactBlock; i += kCheckedSumSets * 2 * kBlock) {
+      for (int set = 0; set < kCheckedSumSets; ++set) {
+        const T* at = x + i + set * 2 * kBlock;
+        if constexpr (kAsksIntoL2) {
+          __builtin_prefetch(reinterpret_cast<const char*>(at) + kPrefetchBytes, 0, 1);
+        } else {
+          __builtin_prefetch(reinterpret_cast<const char*>(at) + kCheckedPrefetchBytes, 0, 3);
+        }
+        add_pair(at, sets[set]);
+      }
+    }
+    f64v* const sums = sets[0];
+    for (int set = 1; set < kCheckedSumSets; ++set) {
+      for (int j = 0; j < 4; ++j) {
+        sums[j] += sets[set][j];
+      }
+    }
+    if (inexact_after(sums[0], sums[1], sums[2], sums[3])) {
+      clear_inexact();
+      return false;
+    }
+    std::copy(sums, sums + 4, sums_);
+    return true;
   }
 
-  // Whether every lane is below 2^(lowest_bit + 53), where a sum of multiples of 2^lowest_bit is exact (a NaN is not).
-  static bool lanes_fit(const f64v* sums, int lowest_bit) {
-    return !any_lane_not_below(splat<f64v>(power_of_two(lowest_bit + 53)), sums[0], sums[1], sums[2], sums[3]);
-  }
-
-  static double largest_lane(const f64v* sums) {
+  // Lanes of exact sums, not negative: each non-zero lane v lies in [2^(e - 1), 2^e) for e = binade_end(v), so it is
+  // a multiple of its last bit 2^(e - 53), and of the least lane's; counted in that unit, the largest is below
+  // 2^(53 + kFlushSpanBits), four vectors' sum below 2^61.
+  void add_finite(ExactPartial& out) const {
     const auto larger = [](f64v a, f64v b) { return a > b ? a : b; };
-    return fold_lanes(larger(larger(sums[0], sums[1]), larger(sums[2], sums[3])), larger);
+    const double largest = fold_lanes(larger(larger(sums_[0], sums_[1]), larger(sums_[2], sums_[3])), larger);
+    if (largest == 0.0) {
+      return;
+    }
+    const auto smaller_non_zero = [](f64v a, f64v b) { return (((a < b) & (a != 0.0)) | (b == 0.0)) ? a : b; };
+    const double least = fold_lanes(
+        smaller_non_zero(smaller_non_zero(sums_[0], sums_[1]), smaller_non_zero(sums_[2], sums_[3])), smaller_non_zero);
+    const int least_bit = binade_end(least) - 53;
+    if (binade_end(largest) - binade_end(least) > kFlushSpanBits) {
+      for (const f64v& sum : sums_) {
+        for (int lane = 0; lane < kBlock64; ++lane) {
+          out.sum.add(sum[lane]);
+        }
+      }
+      return;
+    }
+    const double scale = power_of_two(-least_bit);
+    i64v counts = i64v{};
+    for (const f64v& sum : sums_) {
+      counts += __builtin_convertvector(sum * scale, i64v);
+    }
+    unsigned __int128 count = 0;
+    for (int lane = 0; lane < kBlock64; ++lane) {
+      count += counts[lane];
+    }
+    out.sum.add_scaled(count, least_bit, false);
+  }
+
+  // A NaN or inf in the lanes: the sum is NaN or inf whatever the finite lanes add.
+  void add_non_finite(ExactPartial& out) const {
+    for (const f64v& sum : sums_) {
+      for (int lane = 0; lane < kBlock64; ++lane) {
+        out.has_nan |= std::isnan(sum[lane]);
+        out.has_inf |= std::isinf(sum[lane]);
+      }
+    }
   }
 
   // The 2 * kBlock values at x into the four sums.
@@ -226,9 +235,7 @@ class PlainRun {
   static void add_term(f64v magnitude, f64v& sum) { sum += kKind == NormKind::Two ? magnitude * magnitude : magnitude; }
 
   f64v sums_[4] = {};
-  bool top_from_sums_ = false;  // (top_ is stale: checked blocks joined since add set it)
-  int64_t terms_ = 0, lane_terms_ = 0;  // (lane_terms_: the most terms any one lane holds)
-  int top_ = 0, lowest_bit_ = 0;
+  int64_t terms_ = 0;
 };
 
 // Terms added as quanta and remainders, four operations per term: each lane's quanta are summed in a

@@ -271,14 +271,20 @@ inline void parallel_for_each_item(int64_t count, int64_t threads, const Work& w
   ThreadsLosing::record(total.count(), own_time.count(), own, count);
 }
 
+struct NoChunkScope {};
+
 // Calls visit(piece) exactly once per piece, from torch's intra-op thread pool, chunk by chunk
-// (parallel_for_each_item): threads when there are at least kMinElementsPerThread elements for each.
-template <typename Visit>
+// (parallel_for_each_item): threads when there are at least kMinElementsPerThread elements for each. A ChunkScope
+// lives around each chunk's pieces (the exact norms' floating-point state: one write of it a chunk, not a piece).
+template <typename ChunkScope = NoChunkScope, typename Visit>
 inline void parallel_for_pieces(const ChunkPlan& plan, const TensorSpan* spans, const Visit& visit) {
   const int64_t num_chunks = static_cast<int64_t>(plan.chunks.size());
   const int64_t threads =
       std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, plan.total_elements / kMinElementsPerThread));
-  parallel_for_each_item(num_chunks, threads, [&](int64_t c) { for_each_piece_of_chunk(plan, spans, c, visit); });
+  parallel_for_each_item(num_chunks, threads, [&](int64_t c) {
+    [[maybe_unused]] const ChunkScope scope;
+    for_each_piece_of_chunk(plan, spans, c, visit);
+  });
 }
 
 // Typed dispatch over the four storage types; `f` is called with a null pointer of the element type.
