@@ -624,6 +624,17 @@ def test_subnormals_count_where_torch_flushes_them_and_the_setting_stays(exact, 
     assert still_flushed == 0.0
 
 
+@pytest.mark.parametrize("norm_type", ORDERS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_plain_lanes_far_apart_are_each_counted(exact, dtype, norm_type):
+    """Even and odd values go to different float64 lanes of the plain run: with magnitudes 2^10 apart (squares 2^20),
+    the lanes lie too far apart to be counted in one unit, and the flush adds them one by one."""
+    t = torch.empty(8 * 1024, dtype=torch.float64)
+    t[0::2], t[1::2] = 1.5, -1.25 * 2.0**-10
+    t = at_a_block_edge(t.to(dtype))
+    assert kernel_sums([t], norm_type) == [exact_sum([t], norm_type)] * 2
+
+
 def test_other_orders_keep_float64_accumulation(exact):
     tensors = [make_tensor((1000,), torch.float32, seed=1)]
     for norm_type in (math.inf, 3.0, 0.5):

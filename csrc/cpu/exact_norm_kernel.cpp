@@ -4,9 +4,9 @@
 // Why the fast paths are exact: a 16/32-bit value's magnitude (24 bits) and square (48 bits) are exact in
 // float64, and a sum of float64 values is exact when every term is a multiple of some 2^b and every partial
 // sum is below 2^(b + 53). Each block of kExactBlock = 2^10 values is bounded (its largest magnitude, and
-// its smallest non-zero one, below whose last bit no term's last bit lies) and joins one of two runs of up to
-// kRunTerms (2^13) terms, summed in float64 lanes and handed to the ExactSum only when a block cannot join or
-// the run is full. A long span's whole blocks of 16-bit values or float32 squares are read once instead: the
+// its smallest non-zero one, below whose last bit no term's last bit lies) and joins one of two runs summed in
+// float64 lanes, handed to the ExactSum only when a block cannot join or the run is full (the quanta run's
+// kRunTerms, 2^13 terms). A long span's whole blocks of 16-bit values or float32 squares are read once instead: the
 // run adds the terms, then checks that they were exact (add_checked), and a block that fails is bounded and joins
 // as any other:
 // - the plain run adds the terms as they are, exact while none of its additions rounds, which the processor's

@@ -38,7 +38,8 @@ using namespace simd;
 template <NormKind kKind>
 class PlainRun {
  public:
-  // A block whose own bounds leave its lanes more than this many bits over 53 is not tried (add): it would round.
+  // A block whose own bounds leave its lanes more than this many bits over 53 is not tried (add): it would round, its
+  // sum spent for nothing.
   static constexpr int kHopefulBits = 6;
 
   bool empty() const { return terms_ == 0; }
