@@ -31,7 +31,7 @@ namespace torchclip::cpu {
 namespace {
 
 #if defined(__SSE2__)
-// The floating-point state, MXCSR. Every exact sum runs under kExactCsr: round to nearest, denormals kept
+// The floating-point state, MXCSR. Every exact sum runs under exact_float_state(): round to nearest, denormals kept
 // (torch.set_flush_denormal sets DAZ, which reads a subnormal operand as 0: the kernels' conversions to float64 dropped
 // bfloat16, float16 and float32 subnormals), every exception masked, every flag down.
 using FloatState = unsigned;
