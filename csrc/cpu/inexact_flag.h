@@ -10,7 +10,6 @@
 // once, with an addition that rounds, and the plain run takes nothing where the flag stays down.
 #pragma once
 
-#include <cstdint>
 #include <cstdlib>
 #include <string_view>
 
