@@ -177,16 +177,22 @@ class ThreadsLosing {
     return left > 0;
   }
 
-  // A call on torch's threads: it took `total` seconds, the calling thread ran `own` items of `count` and was done
-  // with them `own_done` seconds in. A call whose calling thread ran no item is neither won nor lost: beside a busy
-  // neighbour that is the caller held off its core while torch's other thread ran every item, and counted as won it
-  // reset the backoff after most lost calls (a trace on 10,000 x 100 beside a spinning process).
-  static void record(double total, double own_done, int64_t own, int64_t count) {
-    if (mode() != Mode::Adaptive || own == 0) {
+  // A call on torch's threads: it took `total` seconds, `takers` threads took its `count` items, and the calling
+  // thread ran `own` of them and was done with them `own_done` seconds in. A calling thread that ran none of at
+  // least two items a thread was held off its core while torch's other threads ran them all: beside a busy
+  // neighbour, for a timeslice or two. Such a call is lost, and sends the next kMaxPoolCalls calls to the pool at
+  // once. (With fewer items a late start can leave the caller none, and the call counts neither way.) Counted as
+  // won, these calls had reset the backoff after most lost calls; counted as neither, they went unseen and torch's
+  // threads stayed: of 400 calls of 10,000 x 100's get_total_norm beside a spinning process, 45-72 took over 2 ms,
+  // 6-8 now (docs/performance.md, "A caller that ran no item"). With no neighbour, none of 798 calls left the caller
+  // no item.
+  static void record(double total, double own_done, int64_t own, int64_t count, int64_t takers) {
+    if (mode() != Mode::Adaptive || (own == 0 && count < 2 * takers)) {
       return;
     }
-    if (total * static_cast<double>(own) > kLostBy * own_done * static_cast<double>(count)) {
-      const int next = std::min(2 * std::max(backoff().load(std::memory_order_relaxed), 1), kMaxPoolCalls);
+    if (own == 0 || total * static_cast<double>(own) > kLostBy * own_done * static_cast<double>(count)) {
+      const int doubled = std::min(2 * std::max(backoff().load(std::memory_order_relaxed), 1), kMaxPoolCalls);
+      const int next = own == 0 ? kMaxPoolCalls : doubled;
       backoff().store(next, std::memory_order_relaxed);
       pool_left().store(next, std::memory_order_relaxed);
       wins().store(0, std::memory_order_relaxed);
@@ -268,7 +274,7 @@ inline void parallel_for_each_item(int64_t count, int64_t threads, const Work& w
     }
   });
   const std::chrono::duration<double> total = Clock::now() - start, own_time = own_done - start;
-  ThreadsLosing::record(total.count(), own_time.count(), own, count);
+  ThreadsLosing::record(total.count(), own_time.count(), own, count, takers);
 }
 
 struct NoChunkScope {};

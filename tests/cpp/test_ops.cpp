@@ -48,7 +48,7 @@ double reference_total_norm(const std::vector<at::Tensor>& tensors, double ord) 
 
 // ThreadsLosing (multi_tensor.h): a call torch's threads made more than twice as slow as the calling thread alone
 // would have been sends the next 2, 4, 8 ... 256 (at most) calls to the item pool; 32 calls they win in a row reset
-// that, fewer do not.
+// that, fewer do not. A call whose calling thread ran none of at least two items a thread sends the next 256 at once.
 void test_threads_losing() {
   using torchclip::cpu::ThreadsLosing;
   const auto pool_calls = [] {
@@ -60,31 +60,36 @@ void test_threads_losing() {
   };
   const auto win = [](int calls) {
     for (int i = 0; i < calls; ++i) {
-      ThreadsLosing::record(0.6, 0.5, 1, 2);  // 0.6 s against the caller's 1.0 alone
+      ThreadsLosing::record(0.6, 0.5, 1, 2, 2);  // 0.6 s against the caller's 1.0 alone
     }
   };
   expect(pool_calls() == 0, "threads: no pool calls before any was lost");
-  ThreadsLosing::record(1.0, 0.5, 1, 2);  // 1.0 s against the caller's 1.0 alone: not lost by 2x
+  ThreadsLosing::record(1.0, 0.5, 1, 2, 2);  // 1.0 s against the caller's 1.0 alone: not lost by 2x
   expect(pool_calls() == 0, "threads: a call lost by less than 2x keeps the threads");
   const int expected[] = {2, 4, 8, 16, 32, 64, 128, 256, 256};
   for (int lost : expected) {
-    ThreadsLosing::record(5.0, 0.5, 1, 2);  // 5.0 s against 1.0
+    ThreadsLosing::record(5.0, 0.5, 1, 2, 2);  // 5.0 s against 1.0
     expect(pool_calls() == lost, "threads: a lost call sends the next " + std::to_string(lost) + " calls to the pool");
   }
   win(31);
-  ThreadsLosing::record(5.0, 0.5, 1, 2);
+  ThreadsLosing::record(5.0, 0.5, 1, 2, 2);
   expect(pool_calls() == 256, "threads: 31 won calls in a row keep the backoff");
   win(32);
-  ThreadsLosing::record(5.0, 0.5, 1, 2);
+  ThreadsLosing::record(5.0, 0.5, 1, 2, 2);
   expect(pool_calls() == 2, "threads: 32 won calls in a row reset the backoff");
   win(31);
-  ThreadsLosing::record(5.0, 0.5, 1, 2);
+  ThreadsLosing::record(5.0, 0.5, 1, 2, 2);
   expect(pool_calls() == 4, "threads: a lost call within 32 of the last sends the next 4 calls to the pool");
-  ThreadsLosing::record(0.1, 0.0, 0, 2);  // the caller took nothing (held off its core): no rate to compare with
-  ThreadsLosing::record(5.0, 0.5, 1, 2);
+  ThreadsLosing::record(0.1, 0.0, 0, 2, 2);  // the caller took none of one item a thread: no rate to compare with
+  ThreadsLosing::record(5.0, 0.5, 1, 2, 2);
   expect(pool_calls() == 8, "threads: a call without the caller's items is no win (the backoff goes on)");
-  ThreadsLosing::record(5.0, 0.0, 0, 2);
-  expect(pool_calls() == 0, "threads: a call without the caller's items is no loss");
+  ThreadsLosing::record(5.0, 0.0, 0, 2, 2);
+  expect(pool_calls() == 0, "threads: a call without the caller's one item is no loss");
+  ThreadsLosing::record(0.1, 0.0, 0, 4, 2);  // none of two items a thread: the caller was held off its core
+  expect(pool_calls() == 256, "threads: a call without the caller's items sends the next 256 calls to the pool");
+  win(32);
+  ThreadsLosing::record(5.0, 0.5, 1, 2, 2);
+  expect(pool_calls() == 2, "threads: after 32 won calls a lost call sends the next 2 again");
 }
 
 int main(int argc, char** argv) {
