@@ -570,34 +570,31 @@ ORACLE_TESTS = (
 )
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="the CPU's vendor is read from /proc/cpuinfo")
-def test_the_other_vendors_paths_are_exact_too():
-    """The kernels choose some loops by the CPU's vendor (simd::intel_cpu: how far to ask ahead, float32 squares in
-    512-bit or 256-bit lanes): the oracle tests again with the paths of the vendor this CPU is not."""
+def assert_oracle_tests_pass_with(setting: str, value: str) -> None:
+    """ORACLE_TESTS in a fresh process with the environment variable `setting` set to `value` (read once a process)."""
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", ORACLE_TESTS],
         capture_output=True,
         text=True,
         cwd=os.path.dirname(__file__),
-        env={**os.environ, "TORCHCLIP_CPU_VENDOR": "other" if intel_cpu() else "intel"},
+        env={**os.environ, setting: value},
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="the CPU's vendor is read from /proc/cpuinfo")
+def test_the_other_vendors_paths_are_exact_too():
+    """The kernels choose some loops by the CPU's vendor (simd::intel_cpu: how far to ask ahead, float32 squares in
+    512-bit or 256-bit lanes): the oracle tests again with the paths of the vendor this CPU is not."""
+    assert_oracle_tests_pass_with("TORCHCLIP_CPU_VENDOR", "other" if intel_cpu() else "intel")
 
 
 def test_without_the_inexact_flag_the_other_runs_are_exact_too():
     """The plain run checks its sums by the processor's inexact flag (cpu/inexact_flag.h), and takes nothing where an
     addition that rounds does not raise it (valgrind); TORCHCLIP_INEXACT_FLAG=off has it so here: the oracle tests
     again, every block on the quanta run or the levels."""
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", ORACLE_TESTS],
-        capture_output=True,
-        text=True,
-        cwd=os.path.dirname(__file__),
-        env={**os.environ, "TORCHCLIP_INEXACT_FLAG": "off"},
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+    assert_oracle_tests_pass_with("TORCHCLIP_INEXACT_FLAG", "off")
 
 
 @pytest.mark.parametrize("norm_type", ORDERS)
