@@ -160,21 +160,28 @@ inline void for_each_piece(const ChunkPlan& plan, const TensorSpan* spans, F&& f
 // calls and lose about one in ten by a timeslice (a trace of 10,000 x 100's calls on 2 AMD EPYC cores: 0.15 ms won,
 // 4-8 ms lost), so one won call resetting the backoff, as it did, sent each loss's next 2 calls alone to the pool.
 // With this rule, `torchclip-bench --busy --threads 1,2` (ten runs of each rule, 80 rows) had 6 rows over 1.5x
-// their time on 1 thread against 13, the worst 2.28x against 13.65x. Process-wide, per library: one neighbour slows
-// every call alike.
+// their time on 1 thread against 13, the worst 2.28x against 13.65x. On the pool, a call whose helper ran items on
+// the caller's core (crowded: item_pool.h) was one thread's work with a switch of threads added, up to 1.2x the
+// caller alone on 10,000 x 100. Where the neighbour shares the caller's core instead, the helper has a core of its
+// own and the pool beats the caller alone, though a quarter of its calls are crowded too (the scheduler moving
+// threads). So kCrowdedToGoAlone more crowded calls than calls a helper shared from another core send the pool's next
+// 8, 16 ... kMaxPoolCalls turns alone, and as many shared calls more reset that. Process-wide, per library: one
+// neighbour slows every call alike.
 // TORCHCLIP_THREADS=openmp or =pool keeps every call on one of the two (the tests choose, so that each path is
 // covered however busy the machine is).
 class ThreadsLosing {
  public:
-  // Whether this call should run on the item pool (counted down when so).
-  static bool pool_now() {
+  // How a call with threads to share runs: on torch's threads, on the item pool, or on its calling thread alone, which
+  // takes the pool's turns while its helper crowds the caller (turns counted down as taken).
+  enum class Way { TorchThreads, Pool, Alone };
+  static Way way_now() {
     if (mode() != Mode::Adaptive) {
-      return mode() == Mode::Pool;
+      return mode() == Mode::Pool ? Way::Pool : Way::TorchThreads;
     }
-    int left = pool_left().load(std::memory_order_relaxed);
-    while (left > 0 && !pool_left().compare_exchange_weak(left, left - 1, std::memory_order_relaxed)) {
+    if (!count_down(pool_left())) {
+      return Way::TorchThreads;
     }
-    return left > 0;
+    return count_down(alone_left()) ? Way::Alone : Way::Pool;
   }
 
   // A call on torch's threads: it took `total` seconds, `takers` threads took its `count` items, and the calling
@@ -204,10 +211,34 @@ class ThreadsLosing {
     }
   }
 
+  // A call on the item pool: `crowded` when a helper ran items on the caller's core, `shared` when one ran items on
+  // another.
+  static void record_pool(bool crowded, bool shared) {
+    if (mode() != Mode::Adaptive) {
+      return;
+    }
+    const int before = crowding().load(std::memory_order_relaxed);
+    if (crowded && before + 1 == kCrowdedToGoAlone) {
+      const int next = std::clamp(2 * alone_backoff().load(std::memory_order_relaxed), kFirstAloneCalls, kMaxPoolCalls);
+      alone_backoff().store(next, std::memory_order_relaxed);
+      alone_left().store(next, std::memory_order_relaxed);
+      crowding().store(before, std::memory_order_relaxed);  // (one more crowded call after these sends the next)
+    } else if (crowded) {
+      crowding().store(before + 1, std::memory_order_relaxed);
+    } else if (shared && before > 0) {
+      crowding().store(before - 1, std::memory_order_relaxed);
+      if (before == 1) {
+        alone_backoff().store(0, std::memory_order_relaxed);
+      }
+    }
+  }
+
  private:
   static constexpr double kLostBy = 2.0;  // (a call a little slower on threads is not worth leaving them for)
   static constexpr int kMaxPoolCalls = 256;
   static constexpr int kWinsToForget = 32;
+  static constexpr int kFirstAloneCalls = 8;
+  static constexpr int kCrowdedToGoAlone = 3;
   enum class Mode { Adaptive, OpenMP, Pool };
   static Mode mode() {
     static const Mode chosen = [] {
@@ -217,7 +248,25 @@ class ThreadsLosing {
     }();
     return chosen;
   }
+  static bool count_down(std::atomic<int>& left) {
+    int now = left.load(std::memory_order_relaxed);
+    while (now > 0 && !left.compare_exchange_weak(now, now - 1, std::memory_order_relaxed)) {
+    }
+    return now > 0;
+  }
   static std::atomic<int>& pool_left() {
+    static std::atomic<int> value{0};
+    return value;
+  }
+  static std::atomic<int>& alone_left() {
+    static std::atomic<int> value{0};
+    return value;
+  }
+  static std::atomic<int>& crowding() {  // crowded pool calls less shared ones, from 0 to kCrowdedToGoAlone - 1
+    static std::atomic<int> value{0};
+    return value;
+  }
+  static std::atomic<int>& alone_backoff() {
     static std::atomic<int> value{0};
     return value;
   }
@@ -232,17 +281,18 @@ class ThreadsLosing {
 };
 
 // Calls work(i) once for each i in [0, count): on this thread alone when threads <= 1 (or inside another call's
-// item or torch's parallel region), else on this thread and threads - 1 others, torch's or the item pool's as
-// ThreadsLosing says, each taking the next i from a shared counter when it has finished one (a static split made
-// every call wait for its slowest thread, and a thread is slow whenever another process shares its core). Nothing
-// may depend on which thread ran an item: each item's result has its own slot, combined in item order (or, for
-// exact sums, in any order), or its thread's (ItemPool::taker()).
+// item or torch's parallel region, or as ThreadsLosing says), else on this thread and threads - 1 others, torch's or
+// the item pool's as ThreadsLosing says, each taking the next i from a shared counter when it has finished one (a
+// static split made every call wait for its slowest thread, and a thread is slow whenever another process shares its
+// core). Nothing may depend on which thread ran an item: each item's result has its own slot, combined in item order
+// (or, for exact sums, in any order), or its thread's (ItemPool::taker()).
 template <typename Work>
 inline void parallel_for_each_item(int64_t count, int64_t threads, const Work& work) {
+  using Way = ThreadsLosing::Way;
   const bool alone = threads <= 1 || count <= 1 || ItemPool::in_item() || at::in_parallel_region();
-  const bool on_pool = !alone && count < (int64_t{1} << 31) && ThreadsLosing::pool_now();
-  ItemPool* pool = on_pool ? ItemPool::acquire() : nullptr;  // (null while another thread's call holds it)
-  if (alone || (on_pool && pool == nullptr)) {
+  const Way way = alone ? Way::Alone : count < (int64_t{1} << 31) ? ThreadsLosing::way_now() : Way::TorchThreads;
+  ItemPool* pool = way == Way::Pool ? ItemPool::acquire() : nullptr;  // (null while another thread's call holds it)
+  if (way == Way::Alone || (way == Way::Pool && pool == nullptr)) {
     for (int64_t i = 0; i < count; ++i) {
       work(i);
     }
@@ -250,8 +300,9 @@ inline void parallel_for_each_item(int64_t count, int64_t threads, const Work& w
   }
   const int takers = static_cast<int>(std::min(threads, count));
   if (pool != nullptr) {
-    pool->run(count, takers, work);
+    const ItemPool::Ran ran = pool->run(count, takers, work);
     pool->release();
+    ThreadsLosing::record_pool(ran.crowded, !ran.crowded && ran.own < count);
     return;
   }
   using Clock = std::chrono::steady_clock;

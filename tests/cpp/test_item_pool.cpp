@@ -1,7 +1,9 @@
 // C++ test of the threads behind parallel_for_each_item (csrc/cpu/item_pool.h): every item runs exactly once,
-// under concurrent callers, nested calls and in a forked child, and a call does not wait for a helper that cannot run.
+// under concurrent callers, nested calls and in a forked child, a call does not wait for a helper that cannot run, and
+// a call says whether a helper ran items on its caller's core.
 // Usage: torchclip_item_pool_test
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -28,9 +30,9 @@ void expect(bool ok, const std::string& what) {
 
 // Work that takes a while and cannot be optimised away.
 void busy_work(int steps) {
-  volatile int sink = 0;
+  volatile unsigned sink = 0;  // (unsigned: wraps, where an int sum of 200,000 steps overflowed)
   for (int i = 0; i < steps; ++i) {
-    sink = sink + i;
+    sink = sink + static_cast<unsigned>(i);
   }
 }
 
@@ -77,6 +79,60 @@ pthread_t a_helper() {
     pool->release();
   }
   return helper.load();
+}
+
+// Runs calls, in a forked child whose threads are pinned (the caller and its helpers to one core, or the caller to
+// one and its helper to another), until a helper has run items in 20 of them; exits 0 when every such call said it
+// was crowded (one core) or none did (two), 1 when not, 2 when the pinning or the helper could not be had.
+int crowding_child(bool one_core) {
+  cpu_set_t allowed;
+  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0 || CPU_COUNT(&allowed) < (one_core ? 1 : 2)) {
+    return 2;
+  }
+  int cores[2] = {-1, -1};
+  for (int cpu = 0, found = 0; cpu < CPU_SETSIZE && found < 2; ++cpu) {
+    if (CPU_ISSET(cpu, &allowed)) {
+      cores[found++] = cpu;
+    }
+  }
+  const auto pin = [](pthread_t thread, int cpu) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    return pthread_setaffinity_np(thread, sizeof set, &set) == 0;
+  };
+  const pthread_t helper = a_helper();  // (the child's pool: its helpers start here)
+  if (pthread_equal(helper, pthread_self()) || !pin(pthread_self(), cores[0]) ||
+      !pin(helper, one_core ? cores[0] : cores[1])) {
+    return 2;
+  }
+  int shared = 0;
+  for (int call = 0; call < 2000 && shared < 20; ++call) {
+    ItemPool* pool = ItemPool::acquire();
+    const ItemPool::Ran ran = pool->run(16, 2, [](int64_t) { busy_work(200000); });
+    pool->release();
+    if (ran.own < 16) {
+      ++shared;
+      if (ran.crowded != one_core) {
+        return 1;
+      }
+    }
+  }
+  return shared == 20 ? 0 : 2;
+}
+
+bool crowding_seen(bool one_core) {
+  const pid_t child = fork();
+  if (child == 0) {
+    _exit(crowding_child(one_core));
+  }
+  int status = 0;
+  waitpid(child, &status, 0);
+  const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 1;
+  if (code == 2) {
+    std::cout << "SKIP crowding on " << (one_core ? "one core" : "two cores") << ": no such pinning here\n";
+  }
+  return code != 1;
 }
 
 // A helper held in a signal handler, as a thread is held off its core by another process.
@@ -150,7 +206,7 @@ int main() {
       for (int call = 0; call < 50; ++call) {
         std::atomic<int> ran{0};
         ItemPool* pool = ItemPool::acquire();
-        const int64_t own = pool->run(100, 2, [&](int64_t) { ++ran; });
+        const int64_t own = pool->run(100, 2, [&](int64_t) { ++ran; }).own;
         pool->release();
         alone &= own == 100 && ran.load() == 100;
       }
@@ -159,6 +215,9 @@ int main() {
       expect(every_item_once(200, 99), "every item runs once after the helper is back");
     }
   }
+
+  expect(crowding_seen(true), "a call whose helper ran items on the caller's core says it was crowded");
+  expect(crowding_seen(false), "a call whose helper ran items on another core says it was not");
 
   std::cout << (failures == 0 ? "all passed" : std::to_string(failures) + " failed") << "\n";
   return failures == 0 ? 0 : 1;

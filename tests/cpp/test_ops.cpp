@@ -4,7 +4,9 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cmath>
+#include <initializer_list>
 #include <iostream>
+#include <utility>
 #include <vector>
 
 #include "cpu/kernel_loader.h"
@@ -49,14 +51,22 @@ double reference_total_norm(const std::vector<at::Tensor>& tensors, double ord) 
 // ThreadsLosing (multi_tensor.h): a call torch's threads made more than twice as slow as the calling thread alone
 // would have been sends the next 2, 4, 8 ... 256 (at most) calls to the item pool; 32 calls they win in a row reset
 // that, fewer do not. A call whose calling thread ran none of at least two items a thread sends the next 256 at once.
+// Three more pool calls whose helper ran items on the caller's core than calls whose helper ran items on another core
+// send the pool's next 8, 16 ... 256 turns alone, and each crowded call after them the next; as many shared calls
+// more reset that.
 void test_threads_losing() {
   using torchclip::cpu::ThreadsLosing;
-  const auto pool_calls = [] {
-    int calls = 0;
-    while (ThreadsLosing::pool_now()) {
-      ++calls;
+  using Way = ThreadsLosing::Way;
+  const auto turns = [] {  // the ways of the calls before torch's threads' next: {alone, on the pool}
+    std::pair<int, int> taken{0, 0};
+    for (Way way = ThreadsLosing::way_now(); way != Way::TorchThreads; way = ThreadsLosing::way_now()) {
+      ++(way == Way::Alone ? taken.first : taken.second);
     }
-    return calls;
+    return taken;
+  };
+  const auto pool_calls = [&] {
+    const auto [alone, pool] = turns();
+    return alone == 0 ? pool : -1;
   };
   const auto win = [](int calls) {
     for (int i = 0; i < calls; ++i) {
@@ -90,6 +100,30 @@ void test_threads_losing() {
   win(32);
   ThreadsLosing::record(5.0, 0.5, 1, 2, 2);
   expect(pool_calls() == 2, "threads: after 32 won calls a lost call sends the next 2 again");
+
+  const auto after_pool_calls = [&](std::initializer_list<std::pair<bool, bool>> calls) {
+    ThreadsLosing::record(0.1, 0.0, 0, 4, 2);  // 256 turns off torch's threads
+    for (const auto [crowded, shared] : calls) {
+      ThreadsLosing::record_pool(crowded, shared);
+    }
+    return turns();
+  };
+  constexpr std::pair<bool, bool> kCrowded{true, false}, kShared{false, true}, kCallerAlone{false, false};
+  expect(after_pool_calls({kCrowded, kCrowded}) == std::pair{0, 256},
+      "threads: two crowded pool calls send no turn alone");
+  expect(after_pool_calls({kCrowded}) == std::pair{8, 248},
+      "threads: a third crowded pool call sends the pool's next 8 turns alone");
+  for (int alone : {16, 32, 64, 128, 256, 256}) {
+    expect(after_pool_calls({kCrowded}) == std::pair{alone, 256 - alone},
+        "threads: each crowded pool call after those sends the next " + std::to_string(alone) + " turns alone");
+  }
+  expect(after_pool_calls({kCallerAlone, kShared, kCrowded}) == std::pair{0, 256},
+      "threads: a shared pool call takes one crowded call back (a call its caller ran alone, none)");
+  expect(after_pool_calls({kCrowded}) == std::pair{256, 0}, "threads: ... and keeps the backoff while any is left");
+  expect(after_pool_calls({kShared, kShared, kCrowded, kCrowded}) == std::pair{0, 256},
+      "threads: two shared pool calls take the two crowded ones left back");
+  expect(after_pool_calls({kCrowded}) == std::pair{8, 248},
+      "threads: ... and reset the backoff: three crowded calls from there send 8 turns alone again");
 }
 
 int main(int argc, char** argv) {
