@@ -14,7 +14,7 @@
 // x 100's get_total_norm beside a spinning process: in 371 of 600 calls the caller ran none). The call says so
 // (Ran::crowded), so that the pool's next turns run alone where most calls are (multi_tensor.h's ThreadsLosing), and
 // the helper sleeps at once instead of spinning for the next call on the core its caller waits for (in the runs where
-// the helper took the caller's core, the pool's calls took 1.10-1.21x the caller's alone; sleeping at
+// the helper took the caller's core, the pool's calls took 1.10-1.23x the caller's alone; sleeping at
 // once, 1.03-1.05x).
 //
 // How a call is shared. `claim_` packs the call's number (high 32 bits) and its next item (low 32 bits). A thread

@@ -161,7 +161,7 @@ inline void for_each_piece(const ChunkPlan& plan, const TensorSpan* spans, F&& f
 // 4-8 ms lost), so one won call resetting the backoff, as it did, sent each loss's next 2 calls alone to the pool.
 // With this rule, `torchclip-bench --busy --threads 1,2` (ten runs of each rule, 80 rows) had 6 rows over 1.5x
 // their time on 1 thread against 13, the worst 2.28x against 13.65x. On the pool, a call whose helper ran items on
-// the caller's core (crowded: item_pool.h) was one thread's work with a switch of threads added, up to 1.2x the
+// the caller's core (crowded: item_pool.h) was one thread's work with a switch of threads added, up to 1.23x the
 // caller alone on 10,000 x 100. Where the neighbour shares the caller's core instead, the helper has a core of its
 // own and the pool beats the caller alone, though a quarter of its calls are crowded too (the scheduler moving
 // threads). So kCrowdedToGoAlone more crowded calls than calls a helper shared from another core send the pool's next

@@ -30,7 +30,7 @@ void expect(bool ok, const std::string& what) {
 
 // Work that takes a while and cannot be optimised away.
 void busy_work(int steps) {
-  volatile unsigned sink = 0;  // (unsigned: wraps, where an int sum of 200,000 steps overflowed)
+  volatile unsigned sink = 0;  // (unsigned, so that the sum wraps: an int's overflows within 200,000 steps)
   for (int i = 0; i < steps; ++i) {
     sink = sink + static_cast<unsigned>(i);
   }
