@@ -107,8 +107,7 @@ class ItemPool {
     if (sleepers_.load(std::memory_order_seq_cst) > 0) {
       wake_all(call_number_);
     }
-    bool caller_crowds = false;  // (never: it is taker 0)
-    const int64_t own = take_items(call, 0, caller_crowds);
+    const int64_t own = take_items(call, 0);
     for (int spins = 0; done_.load(std::memory_order_acquire) < count; ++spins) {
       if (spins < kCallerSpins) {
         pause();
@@ -186,9 +185,9 @@ class ItemPool {
   }
 
   // Takes and runs items of call `call` as taker number `taker` until none is left; returns how many it ran. A
-  // helper learns at its first item whether it runs on the caller's core (`crowding`, and crowded_ before any of its
-  // items is counted done).
-  int64_t take_items(uint32_t call, int taker, bool& crowding) {
+  // helper (which passes `crowding`) learns at its first item whether it runs on the caller's core, and says so in
+  // crowded_ before any of its items is counted done.
+  int64_t take_items(uint32_t call, int taker, bool* crowding = nullptr) {
     int64_t ran = 0;
     uint64_t claim = claim_.load(std::memory_order_acquire);
     while (static_cast<uint32_t>(claim >> 32) == call) {
@@ -201,10 +200,10 @@ class ItemPool {
       if (!claim_.compare_exchange_weak(claim, claim + 1, std::memory_order_acquire)) {
         continue;
       }
-      if (ran == 0 && taker != 0) {
+      if (ran == 0 && crowding != nullptr) {
         const int core = current_core();
-        crowding = core >= 0 && core == caller_core_.load(std::memory_order_relaxed);
-        if (crowding) {
+        *crowding = core >= 0 && core == caller_core_.load(std::memory_order_relaxed);
+        if (*crowding) {
           crowded_.store(true, std::memory_order_relaxed);
         }
       }
@@ -244,7 +243,7 @@ class ItemPool {
       }
       seen = call_number_.load(std::memory_order_acquire);
       crowding = false;
-      take_items(seen, index, crowding);
+      take_items(seen, index, &crowding);
     }
   }
 
