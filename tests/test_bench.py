@@ -6,6 +6,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from testing import cuda_only
 
 import torchclip
 from torchclip.bench import __main__ as bench
-from torchclip.bench import adaptive, workloads
+from torchclip.bench import adaptive, training, workloads
 from torchclip.bench import timing as bench_timing
 from torchclip.bench.timing import byte_stream_buffer
 
@@ -219,11 +220,74 @@ def test_model_workload_is_built_on_the_meta_device():
     assert label == "Transformer" and len(shapes) > 100
 
 
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
 def test_every_shipped_workload_loads():
     for name in workloads.names():
+        if name in workloads.BACKWARD and not HAS_TRANSFORMERS:
+            continue
         shapes = workloads.shapes(name)
         assert shapes and all(isinstance(s, list) for s in shapes)
     assert workloads.numel(workloads.shapes("gpt2_124m")) == 124439808
+    if HAS_TRANSFORMERS:  # the same model as the shipped shapes, its parameters in another order
+        assert sorted(map(tuple, workloads.shapes("resnet50-backward"))) == sorted(
+            map(tuple, workloads.shapes("resnet50"))
+        )
+
+
+def tiny_model():
+    """A --training-style model (called on its batch, it returns an object with .loss), small enough for any test."""
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+
+        def forward(self, x):
+            return types.SimpleNamespace(loss=self.net(x).square().sum())
+
+    return WithLoss(), {"x": torch.randn(5, 4, generator=torch.Generator().manual_seed(1))}
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_a_backward_workloads_values_are_its_models_gradients(monkeypatch, separate):
+    monkeypatch.setitem(workloads.BACKWARD, "tiny-backward", "tiny")
+    monkeypatch.setitem(training.MODELS, "tiny", tiny_model)
+    workloads.backward_gradients.cache_clear()
+    try:
+        torch.manual_seed(0)  # (the model's weights: what the workload seeds too)
+        model, batch = tiny_model()
+        model(**batch).loss.backward()
+        expected = [p.grad for p in model.parameters()]
+        label, shapes = workloads.resolve("tiny-backward")
+        assert label == "tiny-backward" and shapes == [list(e.shape) for e in expected]
+        assert all(torch.equal(v, e) for v, e in zip(workloads.values("tiny-backward"), expected))
+        assert workloads.values("resnet50") is None  # (Gaussian)
+        g = bench.Grads(shapes, torch.bfloat16, separate=separate, values=workloads.values("tiny-backward"))
+        rounded = [e.to(torch.bfloat16) for e in expected]
+        assert all(torch.equal(p.grad, r) for p, r in zip(g.params, rounded))
+        for p in g.params:
+            p.grad.zero_()
+        g.flat.zero_()
+        g.reset()  # the model's gradients again, not Gaussian values
+        assert all(torch.equal(p.grad, r) for p, r in zip(g.params, rounded))
+    finally:
+        workloads.backward_gradients.cache_clear()
+
+
+def test_a_backward_workload_without_its_models_package_is_named(monkeypatch):
+    def needs_a_package():
+        raise ModuleNotFoundError("No module named 'transformers'")
+
+    monkeypatch.setitem(workloads.BACKWARD, "missing-backward", "missing")
+    monkeypatch.setitem(training.MODELS, "missing", needs_a_package)
+    workloads.backward_gradients.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="--workload 'missing-backward' needs transformers"):
+            workloads.resolve("missing-backward")
+    finally:
+        workloads.backward_gradients.cache_clear()
 
 
 @pytest.mark.parametrize(

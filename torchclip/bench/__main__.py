@@ -20,6 +20,9 @@ Method (the numbers are only worth what the method is):
 * --device cuda times the same rows on the GPU: each call is bracketed by torch.cuda.synchronize(), so
   a row is the time until the device has finished, and the bound is the device's own memory speed
   (the same single ops on the same buffers in device memory).
+* The gradients' values are Gaussian (total norm ~1), except the "-backward" workloads' (workloads.BACKWARD):
+  one backward of a --training model on its batch, whose heavier tails some kernels feel (the exact norm's
+  checked blocks; docs/performance.md, "Real gradients rise more").
 * --params generator hands every candidate a fresh generator over the parameters (gradients for
   get_total_norm), as training loops pass model.parameters(), instead of the list (the default).
 * "clip" rows scale every gradient on every call: each call's max_norm is 0.9 x the gradients' norm
@@ -98,7 +101,7 @@ def run(
     total_steps, done = len(jobs) * len(ops), 0
     for workload, dtype_name, threads in jobs:
         label, shape_list = workloads.resolve(workload)
-        g = Grads(shape_list, DTYPES[dtype_name], device=device, separate=separate)
+        g = Grads(shape_list, DTYPES[dtype_name], device=device, separate=separate, values=workloads.values(workload))
         torch.set_num_threads(threads)
         for op in ops:
             progress(done, total_steps, f"{label} {dtype_name} threads={threads}: {op}")

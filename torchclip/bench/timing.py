@@ -24,13 +24,19 @@ def byte_stream_buffer(flat: torch.Tensor) -> torch.Tensor:
 
 class Grads:
     """Parameters whose gradients are views into one flat buffer or, with separate=True, copies of
-    those views, each its own allocation (the flat buffer stays, for the bound)."""
+    those views, each its own allocation (the flat buffer stays, for the bound). Their values are Gaussian, or
+    `values` (tensors of shape_list's shapes: workloads.values) rounded to dtype."""
 
-    def __init__(self, shape_list, dtype, seed=0, device="cpu", separate=False):
+    def __init__(self, shape_list, dtype, seed=0, device="cpu", separate=False, values=None):
         sizes = [math.prod(s) for s in shape_list]
-        generator = torch.Generator().manual_seed(seed)
-        self.flat = torch.randn(sum(sizes), generator=generator, dtype=torch.float32).to(device, dtype)
-        self.flat.mul_(1.0 / math.sqrt(max(1, self.flat.numel())))  # total norm ~1
+        self.initial = None
+        if values is None:
+            generator = torch.Generator().manual_seed(seed)
+            self.flat = torch.randn(sum(sizes), generator=generator, dtype=torch.float32).to(device, dtype)
+            self.flat.mul_(1.0 / math.sqrt(max(1, self.flat.numel())))  # total norm ~1
+        else:
+            self.flat = torch.cat([v.reshape(-1) for v in values]).to(device, dtype)
+            self.initial = self.flat.clone()
         self.views = [view.view(shape) for view, shape in zip(torch.split(self.flat, sizes), shape_list)]
         self.separate = separate
         self.params = []
@@ -47,8 +53,11 @@ class Grads:
         return byte_stream_buffer(self.flat)
 
     def reset(self):
-        torch.manual_seed(0)
-        self.flat.normal_().mul_(1.0 / math.sqrt(max(1, self.flat.numel())))
+        if self.initial is None:
+            torch.manual_seed(0)
+            self.flat.normal_().mul_(1.0 / math.sqrt(max(1, self.flat.numel())))
+        else:
+            self.flat.copy_(self.initial)
         if self.separate:
             torch._foreach_copy_(self.grads, self.views)
 
@@ -62,7 +71,8 @@ def each_job(names, workload_names, dtypes, thread_counts, progress, device="cpu
         label, shape_list = workloads.resolve(workload)
         progress(done, len(jobs), f"{name} {label} {dtype_name} threads={threads}")
         torch.set_num_threads(threads)
-        yield name, label, dtype_name, threads, Grads(shape_list, dtypes[dtype_name], device=device)
+        values = workloads.values(workload)
+        yield name, label, dtype_name, threads, Grads(shape_list, dtypes[dtype_name], device=device, values=values)
     progress(len(jobs), len(jobs), None)
 
 

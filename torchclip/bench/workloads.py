@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import math
@@ -17,6 +18,12 @@ SYNTHETIC = {
 }
 
 
+# name -> the --training model (training.MODELS) whose gradients, from one backward of its batch with fresh weights,
+# are the workload's values. Every other workload's values are Gaussian; real gradients have heavier tails, which the
+# exact norm's checked blocks feel (docs/performance.md, "Real gradients rise more").
+BACKWARD = {"resnet50-backward": "resnet50", "gpt2-small-backward": "gpt2-small"}
+
+
 def model_names() -> list[str]:
     return sorted(
         p.name[: -len(".json")]
@@ -26,13 +33,40 @@ def model_names() -> list[str]:
 
 
 def names() -> list[str]:
-    return model_names() + list(SYNTHETIC)
+    return model_names() + list(SYNTHETIC) + list(BACKWARD)
+
+
+@functools.cache
+def backward_gradients(name: str) -> tuple:
+    """The float32 gradients of BACKWARD[name]'s model after one backward of its batch: seeded, so every process (and
+    every build compare_builds runs) gets the same values. Once a process."""
+    import torch
+
+    from torchclip.bench import training  # (here: training imports timing, which imports this module)
+
+    with torch.random.fork_rng():  # (the caller's random state untouched)
+        torch.manual_seed(0)
+        try:
+            model, batch = training.MODELS[BACKWARD[name]]()
+        except ImportError as error:
+            raise ValueError(
+                f"--workload {name!r} needs transformers (its model): pip install -r requirements-integration.txt"
+            ) from error
+        model(**batch).loss.backward()
+    return tuple(p.grad.detach() for p in model.parameters() if p.grad is not None)
+
+
+def values(workload: str):
+    """The values a workload's gradients start from: a BACKWARD workload's model's gradients, else None (Gaussian)."""
+    return backward_gradients(workload) if workload in BACKWARD else None
 
 
 def shapes(name_or_path: str) -> list[list[int]]:
     """The parameter shapes of a workload: a name from names(), or a JSON file with a 'shapes' list."""
     if name_or_path in SYNTHETIC:
         return SYNTHETIC[name_or_path]
+    if name_or_path in BACKWARD:
+        return [list(g.shape) for g in backward_gradients(name_or_path)]
     if name_or_path in model_names():
         text = resources.files(__package__).joinpath("workloads", f"{name_or_path}.json").read_text()
     elif name_or_path.endswith(".json"):
