@@ -97,9 +97,10 @@ class PlainRun {
   // alone (the caller bounds it and finds it a run that takes it). Its lanes then join the run's where each lane's sum
   // is exact (join); where one is not, the run is flushed into `out` and the block's lanes start a fresh one. Summed
   // into the run's lanes as they stood, a block that rounded there was read and summed again after the flush: 5% of
-  // Gaussian blocks and 10% of a GPT-2-style model's bfloat16 gradients. Joined, the exact norm of those gradients
-  // took 0.931 (0.915-0.965) of the time on one thread (ResNet-50's 0.986 (0.971-1.001)), for a second read of the
-  // flag a block: float16's took 1.015 (docs/performance.md, "What the check costs from memory").
+  // Gaussian blocks and 10% of a GPT-2-style model's bfloat16 gradients (the bench's gpt2-small-backward). Joined,
+  // the exact norm of those took 0.927 (0.895-0.948) of the time on one thread and 0.902 (0.867-0.951) on two, for a
+  // second read of the flag a block: float16's took 1.013 (1.001-1.016) on one thread (docs/performance.md, "Real
+  // gradients rise more").
   // The flag must be down when it is called, and is when it returns: a read of it on entry too, to lower it, cost
   // 3-4% (1M bfloat16 values in L3: 0.088 against 0.085 ns an element).
   // kAsksIntoL2: TermSums::add_checked_blocks_asking's comment.
