@@ -1,4 +1,5 @@
-"""Benchmark workloads: parameter shapes of real models (shipped as JSON) and synthetic lists."""
+"""Benchmark workloads: parameter shapes of real models (shipped as JSON) and synthetic lists, and the gradients of
+one backward of the --training models (BACKWARD)."""
 
 from __future__ import annotations
 
