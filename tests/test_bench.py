@@ -18,6 +18,9 @@ from torchclip.bench import adaptive, training, workloads
 from torchclip.bench import timing as bench_timing
 from torchclip.bench.timing import byte_stream_buffer
 
+# (the --training models and the -backward workloads build theirs with transformers)
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
 
 def python_cli(*arguments, timeout=300, cwd=None) -> subprocess.CompletedProcess:
     """This interpreter run with `arguments` in a fresh process, its output captured."""
@@ -220,9 +223,6 @@ def test_model_workload_is_built_on_the_meta_device():
     assert label == "Transformer" and len(shapes) > 100
 
 
-HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
-
-
 def test_every_shipped_workload_loads():
     for name in workloads.names():
         if name in workloads.BACKWARD and not HAS_TRANSFORMERS:
@@ -391,7 +391,7 @@ def test_step_mode_rows(tmp_path):
     assert "torchclip-bench --step adamw-fused --step sgd" in text and result.stdout.splitlines()[1] in text
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="--training's models need transformers")
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="--training's models need transformers")
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_training_mode_rows(tmp_path, ranks):
     """--training: whole steps of each model four ways (2 ranks: DistributedDataParallel over gloo), with the
