@@ -155,13 +155,19 @@ double from_bits(StorageBits<T> bits) {
 // pipelined walk below. Four float32 streams read side by side did worse on small tensors (2,000 x 64x64 1.088
 // (1.013-1.162)).
 //
-// The checked loops ask kCheckedPrefetchBytes ahead into L1 (16-bit blocks on Intel CPUs: add_checked_blocks_asking).
-// A loop that sums stops taking new reads while its sums wait, and on one thread the sums and the reads added up
-// rather than overlapped: on 2 AMD EPYC cores (Zen 4, AVX-512) float32 GPT-2's exact norm took 1.48x today's on one
-// thread, 1.10x on two, 3.0x in L2. Asked 4 KB ahead instead of 1 KB (16-bit blocks, which had not asked there, too)
-// it took 0.917 (0.912-0.933) of the time on one thread and 0.951 (0.875-1.023) on two; bfloat16 0.956
-// (0.948-0.972) and 0.959 (0.913-0.983); ResNet-50 0.935-0.976 (`TORCHCLIP_EXACT_NORM=1 bench/compare_builds.py`,
-// 8 pairs). 8 KB measured as 4 KB (every interval across 1).
+// The checked loops ask kCheckedPrefetchBytes ahead into L1, but for 16-bit blocks on Intel CPUs (L2) and float32's on
+// the others (none): add_checked_blocks_asking. A loop that sums stops taking new reads while its sums wait, and on one
+// thread the sums and the reads added up rather than overlapped: on 2 AMD EPYC cores (Zen 4, AVX-512) float32 GPT-2's
+// exact norm took 1.48x today's on one thread, 1.10x on two, 3.0x in L2. Asked 4 KB ahead instead of 1 KB (16-bit
+// blocks, which had not asked there, too) it took 0.917 (0.912-0.933) of the time on one thread and 0.951
+// (0.875-1.023) on two; bfloat16 0.956 (0.948-0.972) and 0.959 (0.913-0.983); ResNet-50 0.935-0.976
+// (`TORCHCLIP_EXACT_NORM=1 bench/compare_builds.py`, 8 pairs). 8 KB measured as 4 KB (every interval across 1). Since
+// float32's loop sums in 256-bit halves and reads two streams, its asks cost on those cores: without them it took
+// 0.940 (0.925-0.947) of the time on GPT-2 on one thread and 0.925 (0.905-0.948) on ResNet-50 on two (AVX2: 0.924
+// and 0.977 (0.961-1.011); 10 pairs). Not the sums' pace: a scratch loop that read each block, asking as this one did,
+// and summed nothing took 1.07-1.10x today's norm on ResNet-50 (two threads, one process), the summing loop 1.01.
+// bfloat16's asks still gain there (without them 1.22-1.32x today's norm against 1.19-1.27x with them, alternated
+// processes).
 //
 // A long span of float32 magnitudes (p = 1) is walked pipelined: the loop that sums a block also bounds the next
 // one (BoundsAhead), asking kPrefetchBytes ahead into L2, so the reads from memory go on at an even pace while the

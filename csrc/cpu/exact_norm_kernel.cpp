@@ -139,16 +139,18 @@ class TermSums {
     }
   }
 
-  // kAsksIntoL2: 16-bit blocks read once ask for their lines kPrefetchBytes ahead into L2 on Intel CPUs
-  // (simd::intel_cpu), and kCheckedPrefetchBytes ahead into L1 elsewhere, as float32's checked loop does. On an AMD
-  // EPYC (Zen 4, 2 cores, AVX-512) the L2 asks cost the exact bfloat16 get_total_norm a few percent (without them
-  // 0.954 (0.942-0.986) of the time on GPT-2, 0.916 (0.892-0.986) on ResNet-50; `bench/compare_builds.py`, 12 pairs),
-  // and the L1 asks gained as much (the figures above kCheckedPrefetchBytes, in exact_blocks.h).
-  template <bool kAsksIntoL2, typename T>
+  // kOnIntel: the asks ahead of Intel CPUs (simd::intel_cpu), whose hardware prefetchers stop at 4 KiB pages, or
+  // of the others. On Intel, 16-bit blocks read once ask for their lines kPrefetchBytes ahead into L2, float32's
+  // kCheckedPrefetchBytes ahead into L1. Elsewhere 16-bit blocks ask kCheckedPrefetchBytes ahead into L1, and float32's
+  // ask nothing. On an AMD EPYC (Zen 4, 2 cores, AVX-512) the L2 asks cost the exact bfloat16 get_total_norm a few
+  // percent (without them 0.954 (0.942-0.986) of the time on GPT-2, 0.916 (0.892-0.986) on ResNet-50;
+  // `bench/compare_builds.py`, 12 pairs), and the L1 asks gained as much (the figures above kCheckedPrefetchBytes, in
+  // exact_blocks.h); float32's L1 asks cost what the figures there say.
+  template <bool kOnIntel, typename T>
   void add_checked_blocks_asking(const T* x, int64_t blocks) {
     clear_inexact();  // (PlainRun::add_checked's precondition; the other runs raise it)
     const auto add_block = [&](const T* block) {
-      if (!add_checked<kAsksIntoL2>(block)) {
+      if (!add_checked<kOnIntel>(block)) {
         // (a 16-bit block a fresh plain run refused: it rounds alone, and add's would find that again)
         add_bounded(block, kExactBlock, magnitude_bounds(block, kExactBlock), InPlace(),
             /*tries_plain=*/!kChecksPlain<T>);
@@ -176,7 +178,7 @@ class TermSums {
   // which starts a fresh one where it cannot take the block. float32 squares go to the quanta run: a full run's
   // successor starts at its top, a run with no top starts from the block's bounds (a span's first block, or after
   // blocks the check sent elsewhere).
-  template <bool kAsksIntoL2, typename T>
+  template <bool kOnIntel, typename T>
   bool add_checked(const T* block) {
     if constexpr (kTakesQuanta<T>) {
       if (!quanta_.started()) {
@@ -190,9 +192,9 @@ class TermSums {
         quanta_.flush(partial_);
         quanta_.start_at(top);
       }
-      return quanta_.add_checked(block);
+      return quanta_.template add_checked<kOnIntel>(block);
     } else {
-      return plain_.template add_checked<kAsksIntoL2>(block, partial_);
+      return plain_.template add_checked<kOnIntel>(block, partial_);
     }
   }
 

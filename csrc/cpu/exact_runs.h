@@ -103,14 +103,14 @@ class PlainRun {
   // gradients rise more").
   // The flag must be down when it is called, and is when it returns: a read of it on entry too, to lower it, cost
   // 3-4% (1M bfloat16 values in L3: 0.088 against 0.085 ns an element).
-  // kAsksIntoL2: TermSums::add_checked_blocks_asking's comment.
-  template <bool kAsksIntoL2, typename T>
+  // kOnIntel: which side's asks ahead (TermSums::add_checked_blocks_asking's comment).
+  template <bool kOnIntel, typename T>
   bool add_checked(const T* x, ExactPartial& out) {
     if (!inexact_flag_works()) {
       return false;
     }
     f64v block[4];
-    if (!sum_block<kAsksIntoL2>(x, block)) {
+    if (!sum_block<kOnIntel>(x, block)) {
       return false;
     }
     if (!join(block)) {
@@ -143,7 +143,7 @@ class PlainRun {
 
   // The block's terms summed into `block`'s lanes (true), or false where an addition rounded. Its vectors go into
   // kCheckedSumSets sets of lanes in turn (that constant's comment).
-  template <bool kAsksIntoL2, typename T>
+  template <bool kOnIntel, typename T>
   static bool sum_block(const T* x, f64v (&block)[4]) {
     f64v sets[kCheckedSumSets][4] = {};
     for (f64v(&set)[4] : sets) {
@@ -154,7 +154,7 @@ class PlainRun {
     for (int64_t i = 0; i < kExactBlock; i += kCheckedSumSets * 2 * kBlock) {
       for (int set = 0; set < kCheckedSumSets; ++set) {
         const T* at = x + i + set * 2 * kBlock;
-        if constexpr (kAsksIntoL2) {
+        if constexpr (kOnIntel) {
           __builtin_prefetch(reinterpret_cast<const char*>(at) + kPrefetchBytes, 0, 1);
         } else {
           __builtin_prefetch(reinterpret_cast<const char*>(at) + kCheckedPrefetchBytes, 0, 3);
@@ -341,13 +341,15 @@ class QuantaRun {
   // along: each rounding's remainder was exact and at most half a quantum, and the lane keeps the invariant the other
   // adds count on; a NaN or inf fails the check. Returns false, the run as it was, where the check fails. The run must
   // have started, with room for the block.
-  template <typename T>
+  // kOnIntel: which side's asks ahead (TermSums::add_checked_blocks_asking's comment).
+  template <bool kOnIntel, typename T>
   bool add_checked(const T* x) {
     static_assert(kHalvesFor<T>, "float32 squares: the quanta run's terms");
     if constexpr (kCheckedSumSets == 2) {
-      return add_checked_with<PairedLanes>(x);
+      return add_checked_with<PairedLanes, kOnIntel>(x);
     } else {
-      return splits_wide_ops() ? add_checked_with<HalfWidthLanes>(x) : add_checked_with<FullWidthLanes>(x);
+      return splits_wide_ops() ? add_checked_with<HalfWidthLanes, kOnIntel>(x)
+                               : add_checked_with<FullWidthLanes, kOnIntel>(x);
     }
   }
 
@@ -527,14 +529,16 @@ class QuantaRun {
     next = ahead;
   }
 
-  template <typename Lanes, typename T>
+  template <typename Lanes, bool kOnIntel, typename T>
   bool add_checked_with(const T* x) {
     Lanes lanes(*this);
     SmallestBits<T> smallest;
     for (int64_t i = 0; i < kExactBlock; i += Lanes::kVectors * kBlock) {
       for (int64_t vector = 0; vector < Lanes::kVectors; ++vector) {
         const char* at = reinterpret_cast<const char*>(x + i + vector * kBlock);
-        __builtin_prefetch(at + kCheckedPrefetchBytes, 0, 3);
+        if constexpr (kOnIntel) {
+          __builtin_prefetch(at + kCheckedPrefetchBytes, 0, 3);
+        }
         smallest.take(at);
       }
       lanes.add(x + i);
