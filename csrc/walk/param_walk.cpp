@@ -33,7 +33,7 @@ constexpr bool kGilGuardsTheWalk = true;
 constexpr int64_t kBorrowBelowElements = int64_t{1} << 22;
 
 // Lists are walked by one thread per kItemsPerWalker items, up to at::get_num_threads(), each taking
-// kWalkBlock items at a time from a shared counter (cpu::parallel_for_each_item, as the kernels do). The walk waits
+// kWalkBlock items at a time, its own share first (cpu::parallel_for_each_item, as the kernels do). The walk waits
 // on memory, about 10 lines per item, and a second core's misses overlap the first's (10,000 x 100: 400 us on one
 // thread, 250 on two).
 constexpr Py_ssize_t kItemsPerWalker = 1024;
