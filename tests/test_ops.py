@@ -194,6 +194,16 @@ def test_build_info():
     assert torchclip.get_cpu_capability() in torchclip.cpu_capabilities()
 
 
+def test_capabilities_weakest_first_whatever_the_build_order(monkeypatch):
+    # TORCHCLIP_CPU_ISAS=AVX512,AVX2 builds them in that order; the default is still the strongest torch allows
+    monkeypatch.setattr(_C, "cpu_capabilities_built", lambda: ["DEFAULT", "AVX512", "AVX2"])
+    monkeypatch.setattr(_C, "cpu_runs", lambda name: True)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.delenv("TORCHCLIP_CPU_CAPABILITY", raising=False)
+    assert torchclip.cpu_capabilities() == ["DEFAULT", "AVX2", "AVX512"]
+    assert _ops._default_cpu_capability() == "AVX512"
+
+
 def test_set_cpu_capability_rejects_unknown_names():
     with pytest.raises(ValueError, match="capability must be one of"):
         torchclip.set_cpu_capability("SSE9")

@@ -65,7 +65,8 @@ def cpu_capabilities() -> list[str]:
         >>> torchclip.cpu_capabilities()
         ['DEFAULT', 'AVX2', 'AVX512']
     """
-    return [c for c in _C.cpu_capabilities_built() if _C.cpu_runs(c)]
+    built = _C.cpu_capabilities_built()  # (in the order TORCHCLIP_CPU_ISAS named them at build time)
+    return [c for c in _CAPABILITY_ORDER if c in built and _C.cpu_runs(c)]
 
 
 def set_cpu_capability(capability: str) -> str:
