@@ -144,6 +144,39 @@ def test_folded_step_is_clip_then_step(name, dtype, on, monkeypatch):
         torch.testing.assert_close(p, q, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("nonfinite", ["propagate", "skip"])
+def test_folded_scale_on_host_has_the_tensor_ops_bits(dtype, nonfinite):
+    # A CPU norm's folded scale is taken in Python floats (no dispatches after the norm's memory pass): the same bits
+    # as the tensor ops it stands for, at the clamp's edge, for clip norms float32 cannot hold, and for NaN and inf.
+    generator = torch.Generator().manual_seed(0)
+    clip_norms = [1.0, 0.1, 1 / 3, 0.7, 2.5e-3, 1e30, 1e300, 3e-39] + (
+        10.0 ** (torch.rand(40, generator=generator, dtype=torch.float64) * 12 - 6)
+    ).tolist()
+    checked = 0
+    for clip_norm in clip_norms:
+        divisor = torch.tensor(clip_norm, dtype=torch.float64).to(dtype).item()
+        near = [divisor * (1 + k * 2.0**-23) for k in range(-3, 4)]
+        spread = (10.0 ** (torch.rand(30, generator=generator, dtype=torch.float64) * 16 - 8) * clip_norm).tolist()
+        for value in near + spread + [0.0, math.inf, math.nan]:
+            norm = torch.tensor(value, dtype=torch.float64).to(dtype)
+            finite = torch.isfinite(norm)
+            on_host = clip_module._fused_step_scale_on_host(norm.item(), dtype, clip_norm, nonfinite)
+            if on_host is None:
+                assert divisor == 0.0
+                continue
+            grad_scale, found_inf = clip_module._fused_step_scale(norm, finite, ~finite, clip_norm, nonfinite, None)
+            host_scale, host_coefficient, host_found = on_host
+            same = torch.tensor([host_scale, host_coefficient], dtype=torch.float64)
+            want = torch.stack([grad_scale.to(torch.float32).double(), (1.0 / grad_scale).to(torch.float64)])
+            assert torch.equal(same.isnan(), want.isnan()), (clip_norm, value)
+            assert torch.equal(same.nan_to_num(), want.nan_to_num()), (clip_norm, value)
+            assert host_found == (not bool(finite))
+            assert (found_inf is None) == (nonfinite != "skip")
+            checked += 1
+    assert checked > 1000
+
+
 def test_unclipped_step_is_exactly_the_plain_step():
     ours, theirs = parameters(), parameters()
     optimizer = torchclip.optim.AdamW(ours, lr=1e-2, fused=True, grad_clip=ClipGradByGlobalNorm(1e6))

@@ -283,10 +283,10 @@ class ThreadsLosing {
 // Which items each of torch's threads takes: its own share first, [t * count / takers, (t + 1) * count / takers) for
 // the thread given t, then what the others have left of theirs, one item at a time from the front (a thread whose
 // core a neighbour shares takes fewer, as from one shared counter). The threads read far apart: with one counter
-// they took neighbouring pieces all along, and where memory read fastest (2 AMD EPYC cores, Zen 4) the SGD step over
-// 24 x 1M float32 took 1.05-1.14x torch's fused step, which splits each tensor in halves; in shares 0.97-1.05x, the
-// same in slower hours (docs/optimizer.md). The item pool (item_pool.h), where calls go beside a busy neighbour,
-// keeps its one counter.
+// they took neighbouring pieces all along, and where memory read fastest (2 AMD EPYC cores, Zen 4, AVX-512) the SGD
+// step over 24 x 1M float32 took 1.01-1.11x torch's fused step (median 1.09), which splits each tensor in halves; in
+// shares 0.96-1.01x (median 0.99), and every order the same in slower hours (docs/optimizer.md). The item pool
+// (item_pool.h), where calls go beside a busy neighbour, keeps its one counter.
 class ItemShares {
  public:
   ItemShares(int64_t count, int64_t takers) : count_(count), takers_(takers), next_(static_cast<size_t>(takers)) {
