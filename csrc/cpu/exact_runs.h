@@ -33,8 +33,8 @@ using namespace simd;
 // took 0.905 (0.888-0.915) of the time on one thread, ResNet-50's 0.892 (0.818-0.907), float16's 0.939 and 0.946;
 // on two threads, bound by memory more than by the loop, 0.96-1.00 (every interval but GPT-2 float16's across 1).
 // What is left of the loop is its conversions to float64: on these cores a 512-bit vcvtps2pd issues every other
-// cycle, so the four a 64-byte step takes cost 8 cycles, its four fused multiply-adds 4 (docs/performance.md, "The
-// inexact flag as the plain run's check", has the harness's figures and the widenings tried instead).
+// cycle, so the four a 64-byte step takes cost 8 cycles, its four fused multiply-adds 4 (docs/exact-norms-record.md,
+// "The inexact flag as the plain run's check", has the harness's figures and the widenings tried instead).
 template <NormKind kKind>
 class PlainRun {
  public:
@@ -99,8 +99,8 @@ class PlainRun {
   // into the run's lanes as they stood, a block that rounded there was read and summed again after the flush: 5% of
   // Gaussian blocks and 10% of a GPT-2-style model's bfloat16 gradients (the bench's gpt2-small-backward). Joined,
   // the exact norm of those took 0.927 (0.895-0.948) of the time on one thread and 0.902 (0.867-0.951) on two, for a
-  // second read of the flag a block: float16's took 1.013 (1.001-1.016) on one thread (docs/performance.md, "Real
-  // gradients rise more").
+  // second read of the flag a block: float16's took 1.013 (1.001-1.016) on one thread
+  // (docs/exact-norms-record.md, "Real gradients rise more").
   // The flag must be down when it is called, and is when it returns: a read of it on entry too, to lower it, cost
   // 3-4% (1M bfloat16 values in L3: 0.088 against 0.085 ns an element).
   // kOnIntel: which side's asks ahead (TermSums::add_checked_blocks_asking's comment).

@@ -77,8 +77,8 @@ inline V splat(std::remove_reference_t<decltype(V{}[0])> x) {
 
 // Whether any lane of a comparison's result (lanes 0 or all-ones) is set: one test of the whole register, where a
 // loop over the lanes compiled to a move and an OR per lane, about 60 instructions for a check of four float64
-// vectors (measured on the exact plain run's, then after every block: docs/performance.md, "The model rows are the
-// kernel's work", has the figures).
+// vectors (measured on the exact plain run's, then after every block: docs/exact-norms-record.md, "The model rows are
+// the kernel's work", has the figures).
 template <typename V>
 inline bool any_lane(V mask) {
   static_assert(sizeof(V) == kVectorBytes, "a native register");

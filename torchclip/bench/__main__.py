@@ -22,7 +22,7 @@ Method (the numbers are only worth what the method is):
   (the same single ops on the same buffers in device memory).
 * The gradients' values are Gaussian (total norm ~1), except the "-backward" workloads' (workloads.BACKWARD):
   one backward of a --training model on its batch, whose heavier tails some kernels feel (the exact norm's
-  checked blocks; docs/performance.md, "Real gradients rise more").
+  checked blocks; docs/exact-norms-record.md, "Real gradients rise more").
 * --params generator hands every candidate a fresh generator over the parameters (gradients for
   get_total_norm), as training loops pass model.parameters(), instead of the list (the default).
 * "clip" rows scale every gradient on every call: each call's max_norm is 0.9 x the gradients' norm

@@ -130,7 +130,7 @@ def interleave(candidates, rounds, warmup, prepare=None, sync=no_sync, twins=(),
     two lists of paired times (a's, b's): a's call in a round with b's at its place in the twin, and b's with a's.
     A call that opens a round is not paired: it follows the round before, which differs between the two. What ran
     before a call changes its time, and calls paired within one round, or medians, compare calls after different
-    ones (docs/performance.md, "Twin rounds")."""
+    ones (docs/exact-norms-record.md, "Twin rounds")."""
     for _ in range(warmup):
         for fn in candidates:
             timed(fn, prepare, sync)

@@ -21,7 +21,7 @@ SYNTHETIC = {
 
 # name -> the --training model (training.MODELS) whose gradients, from one backward of its batch with fresh weights,
 # are the workload's values. Every other workload's values are Gaussian; real gradients have heavier tails, which the
-# exact norm's checked blocks feel (docs/performance.md, "Real gradients rise more").
+# exact norm's checked blocks feel (docs/exact-norms-record.md, "Real gradients rise more").
 BACKWARD = {"resnet50-backward": "resnet50", "gpt2-small-backward": "gpt2-small"}
 
 
