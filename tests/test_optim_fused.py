@@ -177,6 +177,38 @@ def test_folded_scale_on_host_has_the_tensor_ops_bits(dtype, nonfinite):
     assert checked > 1000
 
 
+@pytest.mark.parametrize("nonfinite", ["skip", "propagate"])
+def test_folded_statistics_are_the_in_place_clips(nonfinite):
+    """A folded CPU step makes its statistics on the host (torchclip.clip._fused_step_scale_on_host): the
+    documented dtypes and shapes, and the values of the clip run in place, over steps with and without a NaN
+    gradient."""
+    ours, theirs = parameters(), parameters()
+    folded = ClipGradByGlobalNorm(1.0, nonfinite=nonfinite)
+    in_place = ClipGradByGlobalNorm(1.0, nonfinite=nonfinite)
+    optimizer = torchclip.optim.SGD(ours, lr=1e-3, momentum=0.9, fused=True, grad_clip=folded)
+    for index, grads in enumerate(gradient_steps(ours, 4)):
+        if index in (1, 2):
+            grads[0].view(-1)[index] = float("nan")
+        for p, q, g in zip(ours, theirs, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        optimizer.step()
+        for p, g in zip(ours, grads):  # folded: the read-only step leaves the gradients as they were
+            torch.testing.assert_close(p.grad, g, rtol=0, atol=0, equal_nan=True)
+        in_place(theirs)
+        # The documented types (the tensor route's: _record_found, add_to_count), which the in-place clip's
+        # CPU route makes on the host too.
+        for clip in (folded, in_place):
+            assert clip.found_nonfinite.dtype == torch.bool and clip.found_nonfinite.shape == ()
+            assert clip.nonfinite_steps.dtype == torch.int64 and clip.nonfinite_steps.shape == ()
+            assert clip.last_clip_coef.dtype == torch.float64 and clip.last_clip_coef.shape == ()
+            assert clip.last_global_norm.dtype == torch.float32 and clip.last_norms.dtype == torch.float64
+        for name in ("found_nonfinite", "nonfinite_steps", "last_global_norm", "last_norms", "last_clip_coef"):
+            got, expected = getattr(folded, name), getattr(in_place, name)
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=0, equal_nan=True, msg=name)
+        assert bool(folded.found_nonfinite) == (index in (1, 2))
+    assert int(folded.nonfinite_steps) == 2
+
+
 def test_unclipped_step_is_exactly_the_plain_step():
     ours, theirs = parameters(), parameters()
     optimizer = torchclip.optim.AdamW(ours, lr=1e-2, fused=True, grad_clip=ClipGradByGlobalNorm(1e6))

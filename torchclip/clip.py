@@ -429,9 +429,9 @@ class ClipGradByGlobalNorm(ClipGradBase):
             if on_host is not None:
                 grad_scale, coefficient, found = on_host
                 self._record_found_on_host(found)
-                self._keep(norm, norms, torch.tensor(coefficient, dtype=torch.float64))
-                found_inf = torch.tensor(float(found)) if self.nonfinite == "skip" else None
-                return torch.tensor(grad_scale, dtype=torch.float32), found_inf
+                self._keep(norm, norms, torch.scalar_tensor(coefficient, dtype=torch.float64))
+                found_inf = torch.scalar_tensor(float(found)) if self.nonfinite == "skip" else None
+                return torch.scalar_tensor(grad_scale, dtype=torch.float32), found_inf
         if scaler_scale is not None:
             norm = norm / scaler_scale.to(norm.device)
             norms = norms / scaler_scale.to(norms.device)
