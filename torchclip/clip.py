@@ -424,7 +424,7 @@ class ClipGradByGlobalNorm(ClipGradBase):
         if walked is None:
             return None
         norm, norms = walked[:2]
-        if scaler_scale is None and scaler_found is None and norm.device.type == "cpu":
+        if scaler_scale is None and scaler_found is None and norm.is_cpu:
             on_host = _fused_step_scale_on_host(norm.item(), norm.dtype, self.clip_norm, self.nonfinite)
             if on_host is not None:
                 grad_scale, coefficient, found = on_host

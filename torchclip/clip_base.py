@@ -88,7 +88,7 @@ class ClipGradBase:
 
     def _record(self, norms: Tensor) -> None:
         """Update found_nonfinite / nonfinite_steps from the last call's norm(s)."""
-        if norms.dim() == 0 and norms.device.type == "cpu":
+        if norms.dim() == 0 and norms.is_cpu:
             return self._record_found_on_host(not math.isfinite(norms.item()))
         finite = torch.isfinite(norms)
         self._record_found((finite if norms.dim() == 0 else finite.all()).logical_not_())
